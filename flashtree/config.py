@@ -1,0 +1,49 @@
+"""Engine configuration: what to run, how big, and where. Validated once, up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from flashtree.errors import FlashtreeError
+
+METHODS = ("ar", "dflash", "ddtree")
+DEMO_DIR = Path(__file__).parent / "assets" / "demo"
+DEMO_TARGET = DEMO_DIR / "target"
+DEMO_DRAFTER = DEMO_DIR / "drafter"
+
+
+@dataclass
+class EngineConfig:
+    target: str | None = None  # HF dir or hub id; None = the embedded demo target
+    drafter: str | None = None  # z-lab DFlash dir or hub id; None = the demo drafter (demo target only)
+    method: str = "ddtree"
+    budget: int = 64  # drafted tree nodes per request and round (root not counted)
+    device: str | None = None  # None = cuda if available, else cpu
+    dtype: str | None = None  # None/auto = bf16 on cuda, float32 on cpu
+    max_batch: int = 8  # requests decoded together
+    max_model_len: int | None = None  # prompt + output; None = min(target's limit, 4096)
+    max_round_tokens: int = 4096  # cap on all trees' nodes in one batched verify
+    max_queue: int = 256  # waiting requests before add_request refuses
+    stage_timing: bool | None = None  # sync between stages to time them; None = on for cpu only
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise FlashtreeError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if not isinstance(self.budget, int) or not 1 <= self.budget <= 1024:
+            raise FlashtreeError(f"budget must be an integer in 1..1024, got {self.budget!r}")
+        if self.max_batch < 1:
+            raise FlashtreeError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise FlashtreeError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_round_tokens < self.max_batch:
+            raise FlashtreeError("max_round_tokens must be at least max_batch (one node per request)")
+        if self.target is None:
+            self.target = str(DEMO_TARGET)
+            if self.drafter is None and self.method != "ar":
+                self.drafter = str(DEMO_DRAFTER)
+        if self.method != "ar" and self.drafter is None:
+            raise FlashtreeError(
+                f"method {self.method!r} needs a drafter: pass drafter=/--drafter with a DFlash checkpoint, "
+                "or use method='ar'"
+            )

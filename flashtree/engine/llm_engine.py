@@ -1,0 +1,188 @@
+"""LLMEngine: requests in, rounds out. The server and LLM.generate both drive this."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from flashtree.config import EngineConfig
+from flashtree.engine.runner import ModelRunner
+from flashtree.engine.scheduler import Scheduler
+from flashtree.engine.sequence import STAGES, Request, Status
+from flashtree.errors import FlashtreeError
+from flashtree.models.dflash import load_drafter
+from flashtree.models.loader import load_target, parse_dtype
+from flashtree.sampling import SamplingParams
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced for one request."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+
+
+@dataclass
+class RoundInfo:
+    """Batch-level facts about the last step, for metrics."""
+
+    batch_size: int
+    seconds: float
+    accept_lengths: list[int]
+
+
+def load_tokenizer(path):
+    """The checkpoint's tokenizer (with its chat template), or None if it ships none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError):
+        return None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = parse_dtype(config.dtype, device)
+        self.device = device
+        self.target = load_target(config.target, dtype, device)
+        self.drafter = None
+        if config.method != "ar":
+            self.drafter = load_drafter(config.drafter, self.target, dtype, device)
+        limit = getattr(self.target.args, "max_position_embeddings", 4096)
+        if config.max_model_len is None:
+            config.max_model_len = min(limit, 4096)
+        self.tokenizer = load_tokenizer(self.target.source_dir)
+        self.eos_ids = self._eos_ids()
+        self.scheduler = Scheduler(config.max_batch, config.max_queue)
+        self.runner = ModelRunner(config, self.target, self.drafter, device)
+        self.last_round: RoundInfo | None = None
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        gen = self.target.source_dir / "generation_config.json"
+        if gen.is_file():
+            import json
+
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return ids
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise FlashtreeError("this target ships no tokenizer; pass token id lists instead of text")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise FlashtreeError("the prompt is empty; give at least one token")
+        vocab = self.target.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise FlashtreeError(f"prompt token ids must be integers in [0, {vocab})")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise FlashtreeError(
+                f"the prompt has {len(ids)} tokens but the context holds {limit} (prompt + output); "
+                "shorten the prompt or raise max_model_len"
+            )
+        req = Request(ids, params)
+        if request_id is not None:
+            req.request_id = request_id
+        req.generator = params.generator(self.device)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, req: Request) -> None:
+        self.scheduler.finish(req, "abort")
+        req.stats.finished = time.perf_counter()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Admit and prefill new requests, then run one batched round over the running ones."""
+        outputs: list[StepOutput] = []
+        for req in self.scheduler.admit():
+            t0 = time.perf_counter()
+            first = self.runner.prefill(req)
+            req.stats.stage_seconds["prefill"] += time.perf_counter() - t0
+            req.stats.first_token = time.perf_counter()
+            outputs.append(self._emit(req, [first]))
+        # Freshly prefilled requests join this round at once: they already hold a bonus token.
+        running = sorted(self.scheduler.running, key=lambda r: r.slot)
+        if not running:
+            return outputs
+        t0 = time.perf_counter()
+        emitted, seconds = self.runner.step(running)
+        elapsed = time.perf_counter() - t0
+        self.last_round = RoundInfo(len(running), elapsed, [len(e) for e in emitted])
+        for req, tokens in zip(running, emitted):
+            req.stats.accept_lengths.append(len(tokens))
+            for name, s in seconds.items():
+                req.stats.stage_seconds[name] += s
+            outputs.append(self._emit(req, tokens))
+        return outputs
+
+    def _emit(self, req: Request, tokens: list[int]) -> StepOutput:
+        """Append a round's tokens, trimming exactly at EOS, stop ids, stop strings or limits."""
+        params = req.params
+        max_new = min(params.max_tokens, self.config.max_model_len - len(req.prompt_ids))
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        new: list[int] = []
+        reason = None
+        for t in tokens:
+            if t in stop_ids:
+                reason = "stop"
+                break
+            new.append(t)
+            if len(req.output_ids) + len(new) >= max_new:
+                reason = "length"
+                break
+        req.output_ids.extend(new)
+        old_text = req.text
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+            if params.stop:
+                text, hit = trim_stop(text, params.stop, max(0, len(old_text) - max(map(len, params.stop))))
+                if hit:
+                    reason = "stop"
+            # Hold back a trailing partial UTF-8 character until the next round completes it.
+            req.text = text if reason or not text.endswith("\ufffd") else req.text
+        delta = req.text[len(old_text):]
+        if reason is None:
+            req.bonus = tokens[-1]
+        else:
+            self.scheduler.finish(req, reason)
+            req.stats.finished = time.perf_counter()
+        return StepOutput(req, new, delta, req.finished)
+
+
+def trim_stop(text: str, stops: list[str], search_from: int) -> tuple[str, bool]:
+    """Cut text before the earliest stop string found at or after search_from."""
+    hits = [i for s in stops if (i := text.find(s, search_from)) >= 0]
+    if not hits:
+        return text, False
+    return text[: min(hits)], True
+
+
+__all__ = ["LLMEngine", "StepOutput", "RoundInfo", "STAGES", "Status"]

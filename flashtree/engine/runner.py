@@ -1,0 +1,114 @@
+"""The speculative round: draft -> tree -> verify -> walk -> commit, batched over requests.
+
+Everything between the drafter call and the commit stays on the device; the round reads
+back one small tensor (accepted counts and tokens) at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from flashtree.config import EngineConfig
+from flashtree.engine.sequence import Request
+from flashtree.models.dflash import DFlashDrafter
+from flashtree.sampling import pick_tokens
+from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
+
+
+class StageClock:
+    """Wall time per stage. With `sync`, waits for the device so GPU time lands in its stage."""
+
+    def __init__(self, device: torch.device, sync: bool) -> None:
+        self.sync = sync and device.type == "cuda"
+        self.enabled = sync or device.type != "cuda"
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str):
+        if self.sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        yield
+        if self.sync:
+            torch.cuda.synchronize()
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, target, drafter: DFlashDrafter | None, device: torch.device) -> None:
+        self.config = config
+        self.target = target
+        self.drafter = drafter
+        self.device = device
+        self.method = config.method
+        self.block_size = drafter.block_size if drafter is not None else 1
+        self.feature_layers = tuple(drafter.args.target_layer_ids) if drafter is not None else ()
+        self.max_window = 1 + (config.budget if self.method == "ddtree" else self.block_size - 1)
+        cache_len = config.max_model_len + self.max_window
+        self.cache = target.new_cache(config.max_batch, cache_len)
+        self.draft_cache = drafter.new_cache(config.max_batch, cache_len) if drafter is not None else None
+        sync = config.stage_timing if config.stage_timing is not None else device.type != "cuda"
+        self.clock = StageClock(device, sync)
+
+    def budgets(self, n: int) -> int:
+        """Per-request tree budget for a batch of n: capped so all trees fit max_round_tokens."""
+        return max(1, min(self.config.budget, self.config.max_round_tokens // n - 1))
+
+    @torch.inference_mode()
+    def prefill(self, req: Request) -> int:
+        """Fill a fresh slot with the prompt; returns the target's first token (the first bonus)."""
+        ids = torch.tensor([req.prompt_ids], device=self.device)
+        positions = torch.arange(ids.shape[1], device=self.device)[None]
+        self.cache.set_length(req.slot, 0)
+        out = self.target(ids, positions, self.cache.view([req.slot]), None, self.feature_layers, last_only=True)
+        self.cache.set_length(req.slot, ids.shape[1])
+        if self.drafter is not None:
+            self.draft_cache.set_length(req.slot, 0)
+            self.drafter.add_context(self.draft_cache.view([req.slot]), out.features, [ids.shape[1]])
+        return int(pick_tokens(out.logits, [req.params], [req.generator])[0, -1])
+
+    @torch.inference_mode()
+    def step(self, reqs: list[Request]) -> tuple[list[list[int]], dict[str, float]]:
+        """One round for every request in `reqs`; returns each one's emitted tokens."""
+        self.clock.seconds = {}
+        slots = [r.slot for r in reqs]
+        roots = torch.tensor([r.bonus for r in reqs], device=self.device)
+        spec = self.draft(reqs, slots, roots)
+        with self.clock.stage("verify"):
+            view = self.cache.view(slots)
+            positions = view.starts[:, None] + spec.depths
+            out = self.target(spec.tokens.clamp(min=0), positions, view, spec, self.feature_layers)
+            picks = pick_tokens(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
+        with self.clock.stage("commit"):
+            walk = accept_walk(spec, picks)
+            host = torch.cat([walk.num_nodes[:, None], walk.tokens], dim=1).tolist()
+            counts = [row[0] for row in host]
+            self.cache.commit(view, walk.path, counts, chain=spec.is_chain)
+            if self.drafter is not None:
+                feats = gather_nodes(out.features, walk.path)
+                self.drafter.add_context(self.draft_cache.view(slots), feats, counts)
+        emitted = [row[1 : 1 + row[0]] for row in host]
+        return emitted, dict(self.clock.seconds)
+
+    def draft(self, reqs: list[Request], slots: list[int], roots: Tensor) -> TreeSpec:
+        if self.drafter is None:
+            return chain_spec(roots[:, None])
+        with self.clock.stage("draft"):
+            block = torch.full((len(reqs), self.block_size), self.drafter.args.mask_token_id, device=self.device)
+            block[:, 0] = roots
+            hidden = self.drafter(self.target.embed_tokens(block), self.draft_cache.view(slots))
+            logits = self.target.lm_head(hidden[:, 1:])
+        with self.clock.stage("tree"):
+            if self.method == "dflash":
+                return build_chain(roots, logits)
+            return build_tree(roots, logits, self.budgets(len(reqs)))
+
+
+def gather_nodes(x: Tensor, path: Tensor) -> Tensor:
+    """Rows of x [R, N, F] at node indices path [R, A] (padding -1 reads node 0)."""
+    idx = path.clamp(min=0)[:, :, None].expand(-1, -1, x.shape[-1])
+    return x.gather(1, idx)

@@ -1,0 +1,290 @@
+"""DFlash block-diffusion drafter (z-lab checkpoint format).
+
+One pass drafts a whole block. The block is `[bonus, MASK x (L-1)]` at positions
+`start .. start+L-1`; its queries attend to the drafter's context (the target's fused
+features of every committed token) and to the whole block, with no causal mask. Every layer
+projects K/V from the same fused context, so the context K/V are computed once, when tokens
+are committed, and cached. The drafter has no embeddings and no LM head: it borrows the
+target's, frozen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from flashtree.cache import CacheView, KVCache
+from flashtree.errors import FlashtreeError
+from flashtree.models.layers import MLP, RMSNorm, Rotary, apply_rotary, attention, rope_parameters
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Evenly spaced from 1 to N-3; a single draft layer reads the middle block."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DFlashArgs:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    num_target_layers: int
+    vocab_size: int
+    rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    attention_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "DFlashArgs":
+        dcfg = cfg.get("dflash_config") or {}
+        layers = cfg["num_hidden_layers"]
+        block = dcfg.get("block_size", cfg.get("block_size"))
+        if block is None:
+            raise FlashtreeError("drafter config.json has no block_size (top level or in dflash_config)")
+        mask = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
+        if mask is None:
+            raise FlashtreeError("drafter config.json has no dflash_config.mask_token_id")
+        num_target = cfg.get("num_target_layers")
+        ids = dcfg.get("target_layer_ids")
+        if ids is None:
+            if num_target is None:
+                raise FlashtreeError("drafter config.json needs dflash_config.target_layer_ids or num_target_layers")
+            ids = default_target_layer_ids(num_target, layers)
+        heads = cfg["num_attention_heads"]
+        layer_types = cfg.get("layer_types") or ["full_attention"] * layers
+        return cls(
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            block_size=int(block),
+            target_layer_ids=list(ids),
+            mask_token_id=int(mask),
+            num_target_layers=num_target if num_target is not None else max(ids) + 1,
+            vocab_size=cfg.get("vocab_size", 0),
+            rope=rope_parameters(cfg),
+            layer_types=list(layer_types),
+            sliding_window=cfg.get("sliding_window"),
+            attention_bias=cfg.get("attention_bias", False),
+        )
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of a layer, or None for full attention."""
+        if self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, args: DFlashArgs, layer: int) -> None:
+        super().__init__()
+        d, hd, bias = args.hidden_size, args.head_dim, args.attention_bias
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, hd
+        self.q_proj = nn.Linear(d, args.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, args.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, args.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(args.num_heads * hd, d, bias=bias)
+        self.q_norm = RMSNorm(hd, args.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, args.rms_norm_eps)
+
+    def kv(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """Rotated K and V [R, n, Hkv, D] for hidden states x [R, n, d]."""
+        r, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(r, n, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(r, n, self.num_kv_heads, self.head_dim)
+        k = apply_rotary(k.transpose(1, 2), *rope).transpose(1, 2)
+        return k, v
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], ctx: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
+        r, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(r, n, self.num_heads, self.head_dim))
+        q = apply_rotary(q.transpose(1, 2), *rope)
+        k, v = self.kv(x, rope)
+        keys = torch.cat([ctx[0], k.transpose(1, 2)], dim=2)
+        values = torch.cat([ctx[1], v.transpose(1, 2)], dim=2)
+        out = attention(q, keys, values, mask, self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(r, n, -1))
+
+
+class DraftBlock(nn.Module):
+    def __init__(self, args: DFlashArgs, layer: int) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(args, layer)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], ctx: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, args: DFlashArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.fc = nn.Linear(len(args.target_layer_ids) * args.hidden_size, args.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftBlock(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary = Rotary(args.head_dim, args.rope)
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    def check_target(self, target: nn.Module) -> None:
+        """Fail early, with the fix, when this drafter was not made for `target`."""
+        a = self.args
+        n = target.num_layers
+        bad = [i for i in a.target_layer_ids if not 0 <= i < n]
+        if bad:
+            raise FlashtreeError(
+                f"drafter target_layer_ids {a.target_layer_ids} do not fit a target with {n} layers "
+                f"(bad: {bad}); use a drafter trained for this target"
+            )
+        if not 0 <= a.mask_token_id < target.vocab_size:
+            raise FlashtreeError(
+                f"drafter mask_token_id {a.mask_token_id} is outside the target vocabulary "
+                f"(size {target.vocab_size}); set dflash_config.mask_token_id to a token of the target"
+            )
+        if target.args.hidden_size != a.hidden_size:
+            raise FlashtreeError(
+                f"drafter hidden_size {a.hidden_size} != target hidden_size {target.args.hidden_size}; "
+                "use a drafter trained for this target"
+            )
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        p = self.fc.weight
+        a = self.args
+        return KVCache(a.num_layers, num_slots, max_len, a.num_kv_heads, a.head_dim, p.dtype, p.device)
+
+    def add_context(self, view: CacheView, features: Tensor, counts: list[int]) -> None:
+        """Append target features [R, n, F] of newly committed tokens (counts[r] valid per row)."""
+        n = features.shape[1]
+        rows = view.starts[:, None] + torch.arange(n, device=features.device)
+        ctx = self.hidden_norm(self.fc(features))
+        rope = self.rotary(rows, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(ctx, rope)
+            view.cache.write(i, view, rows, k, v)
+        for slot, start, c in zip(view.slot_list, view.start_list, counts):
+            view.cache.lengths[slot] = start + c
+
+    def forward(self, noise: Tensor, view: CacheView) -> Tensor:
+        """Hidden states [R, L, d] of the block embeddings `noise` after each slot's context.
+
+        `view` holds the drafter cache's slots; their lengths are the block's start positions.
+        """
+        r, n, _ = noise.shape
+        device = noise.device
+        positions = view.starts[:, None] + torch.arange(n, device=device)
+        rope = self.rotary(positions, noise.dtype)
+        keys = torch.arange(view.max_start, device=device)
+        masks: dict[int | None, Tensor] = {}
+        x = noise
+        for i, layer in enumerate(self.layers):
+            window = self.args.window(i)
+            if window not in masks:
+                masks[window] = block_mask(keys, view.starts, positions, window)
+            ctx = view.cache.read(i, view, view.max_start)
+            x = layer(x, rope, ctx, masks[window])
+        return self.norm(x)
+
+
+def block_mask(keys: Tensor, starts: Tensor, positions: Tensor, window: int | None) -> Tensor:
+    """[R, 1, L, S + L]: context keys before the block's start (within the window), all of the block."""
+    visible = keys[None, None, :] < starts[:, None, None]
+    if window is not None:
+        visible = visible & (positions[:, :, None] - keys[None, None, :] < window)
+    else:
+        visible = visible.expand(-1, positions.shape[1], -1)
+    block = torch.ones(positions.shape[0], positions.shape[1], positions.shape[1], dtype=torch.bool, device=keys.device)
+    return torch.cat([visible, block], dim=2)[:, None]
+
+
+def load_drafter(name_or_path, target: nn.Module, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
+    """Load a z-lab DFlash checkpoint and check that it fits `target`."""
+    from flashtree.models.loader import default_dtype, load_weights, read_config, read_weights, resolve
+
+    path = resolve(name_or_path)
+    cfg = read_config(path)
+    archs = cfg.get("architectures") or []
+    if "DFlashDraftModel" not in archs:
+        raise FlashtreeError(f"{path} is not a DFlash drafter (architectures {archs}); expected DFlashDraftModel")
+    args = DFlashArgs.from_hf(cfg)
+    with default_dtype(dtype), torch.device(device):
+        drafter = DFlashDrafter(args)
+    drafter.check_target(target)
+    load_weights(drafter, read_weights(path))
+    drafter.source_dir = path
+    return drafter.eval()
+
+
+def drafter_config(args: DFlashArgs, dtype: torch.dtype = torch.float32) -> dict:
+    """config.json in the layout z-lab publishes, readable by transformers 4.57 and 5.x alike."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.intermediate_size,
+        "num_hidden_layers": args.num_layers,
+        "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.rms_norm_eps,
+        "rope_theta": args.rope["rope_theta"],
+        "rope_scaling": None if args.rope.get("rope_type", "default") == "default"
+        else {k: v for k, v in args.rope.items() if k != "rope_theta"},
+        "attention_bias": args.attention_bias,
+        "attention_dropout": 0.0,
+        "vocab_size": args.vocab_size,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 40960,
+        "layer_types": list(args.layer_types),
+        "sliding_window": args.sliding_window,
+        "use_sliding_window": any(t == "sliding_attention" for t in args.layer_types),
+        "max_window_layers": args.num_layers,
+        "block_size": args.block_size,
+        "num_target_layers": args.num_target_layers,
+        "dflash_config": {
+            "block_size": args.block_size,
+            "target_layer_ids": list(args.target_layer_ids),
+            "mask_token_id": args.mask_token_id,
+        },
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def save_drafter(drafter: DFlashDrafter, out_dir) -> None:
+    """Write a z-lab format drafter directory (config.json + model.safetensors)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = drafter_config(drafter.args, drafter.fc.weight.dtype)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -1,0 +1,183 @@
+"""Dense decoder-only targets: Qwen3 and Llama (2/3), read top-down like gpt-fast.
+
+One forward covers prefill, a decode step and tree verification: the window's tokens are
+written after each slot's committed prefix and attend to that prefix plus their ancestors.
+Module names follow the HF checkpoints (minus the `model.` prefix) so weights load as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from flashtree.cache import CacheView, KVCache
+from flashtree.models.layers import MLP, RMSNorm, Rotary, apply_rotary, attention, rope_parameters
+from flashtree.models.mask import window_mask
+from flashtree.tree import TreeSpec
+
+
+@dataclass
+class TransformerArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    max_position_embeddings: int = 4096
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "TransformerArgs":
+        model_type = cfg.get("model_type", "llama")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope=rope_parameters(cfg),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qk_norm=model_type == "qwen3",
+            attention_bias=cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, args: TransformerArgs, layer: int) -> None:
+        super().__init__()
+        d, hd, bias = args.hidden_size, args.head_dim, args.attention_bias
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, hd
+        self.q_proj = nn.Linear(d, args.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, args.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, args.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(args.num_heads * hd, d, bias=bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(hd, args.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, args.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], step: "Step") -> Tensor:
+        r, n, _ = x.shape
+        q = self.q_proj(x).view(r, n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(r, n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(r, n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        cache = step.view.cache
+        cache.write(self.layer, step.view, step.rows, k.transpose(1, 2), v)
+        keys, values = cache.read(self.layer, step.view, step.key_len)
+        out = attention(q, keys, values, step.mask, self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(r, n, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, args: TransformerArgs, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(args, layer)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size, args.mlp_bias)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], step: "Step") -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class Step:
+    """What every layer of one forward shares: the view, cache rows to write, the mask."""
+
+    view: CacheView
+    rows: Tensor  # [R, N] cache rows the window is written to
+    mask: Tensor  # [R, 1, N, key_len]
+    key_len: int
+
+    @classmethod
+    def make(cls, view: CacheView, tree: TreeSpec | None, n: int) -> "Step":
+        rows = view.starts[:, None] + torch.arange(n, device=view.starts.device)
+        return cls(view, rows, window_mask(view, tree, n), view.max_start + n)
+
+
+@dataclass
+class ForwardOutput:
+    logits: Tensor  # [R, N or 1, V]
+    features: Tensor | None  # [R, N, len(feature_layers) * hidden]
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(args.head_dim, args.rope)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.args.num_layers
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        p = self.embed_tokens.weight
+        a = self.args
+        return KVCache(a.num_layers, num_slots, max_len, a.num_kv_heads, a.head_dim, p.dtype, p.device)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: CacheView,
+        tree: TreeSpec | None = None,
+        feature_layers: tuple[int, ...] = (),
+        last_only: bool = False,
+    ) -> ForwardOutput:
+        """Run a window of tokens [R, N] at `positions` [R, N] after each slot's prefix.
+
+        Features are the outputs of the blocks in `feature_layers` (HF hidden_states[k+1]),
+        concatenated in that order.
+        """
+        step = Step.make(cache, tree, tokens.shape[1])
+        x = self.embed_tokens(tokens)
+        rope = self.rotary(positions, x.dtype)
+        features = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, step)
+            if i in feature_layers:
+                features.append(x)
+        if last_only:
+            x = x[:, -1:]
+        logits = self.lm_head(self.norm(x))
+        feats = None
+        if feature_layers:
+            order = {k: j for j, k in enumerate(sorted(set(feature_layers)))}
+            feats = torch.cat([features[order[k]] for k in feature_layers], dim=-1)
+        return ForwardOutput(logits, feats)
