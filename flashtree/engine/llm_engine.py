@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
@@ -40,6 +41,9 @@ def load_tokenizer(path):
     """The checkpoint's tokenizer (with its chat template), or None if it ships none."""
     from transformers import AutoTokenizer
 
+    # Without tokenizer files, transformers 5 invents a default tokenizer; never use that.
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError):
@@ -69,12 +73,11 @@ class LLMEngine:
         ids = set()
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
-        gen = self.target.source_dir / "generation_config.json"
-        if gen.is_file():
-            import json
-
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        for name in ("config.json", "generation_config.json"):
+            file = self.target.source_dir / name
+            if file.is_file():
+                eos = json.loads(file.read_text()).get("eos_token_id")
+                ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         return ids
 
     # ---- requests -------------------------------------------------------------------------

@@ -1,0 +1,9 @@
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+# Tests are small; one thread keeps them deterministic and leaves the other core free.
+torch.set_num_threads(int(os.environ.get("FLASHTREE_TEST_THREADS", "1")))
+sys.path.insert(0, str(Path(__file__).parent))

@@ -1,0 +1,93 @@
+"""Greedy DFlash and DDTree emit exactly the tokens AR emits, alone or batched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashtree import LLM, SamplingParams
+from tiny import make_drafter, make_target
+
+VOCAB = 16
+PROMPTS = [[1, 2, 3], [4], list(range(1, 15)) * 2, [7, 7, 7, 7, 7, 7, 9]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lossless")
+    target = make_target(root / "target", vocab=VOCAB, logit_scale=3.0)
+    drafters = {b: make_drafter(root / f"drafter{b}", target_layers=4, vocab=VOCAB, block_size=b, seed=b)
+                for b in (4, 8, 16)}
+    return target, drafters
+
+
+def generate(target, drafter, method, budget, prompts, params, max_batch=4, dtype="float32"):
+    llm = LLM(str(target), drafter and str(drafter), method=method, budget=budget, device="cpu",
+              dtype=dtype, max_batch=max_batch, max_model_len=256)
+    return llm.generate(prompts, params)
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """AR outputs, each prompt run alone."""
+    target, _ = models
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    return [generate(target, None, "ar", 1, [p], params, max_batch=1)[0].token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("block", [4, 8, 16])
+@pytest.mark.parametrize("method,budget", [("dflash", 1), ("ddtree", 1), ("ddtree", 4), ("ddtree", 16),
+                                           ("ddtree", 64), ("ddtree", 256)])
+def test_greedy_matches_ar(models, reference, block, method, budget):
+    """Batched (3 slots for 4 prompts, so one queues) speculative output == AR run alone."""
+    target, drafters = models
+    outs = generate(target, drafters[block], method, budget, PROMPTS, SamplingParams(max_tokens=48, ignore_eos=True),
+                    max_batch=3)
+    assert [o.token_ids for o in outs] == reference
+    if method == "ddtree" and budget >= 64:
+        # Big trees over a 16-token vocabulary accept deep paths: the compaction path is exercised.
+        assert max(max(o.stats.accept_lengths) for o in outs) >= 3
+
+
+def test_float64_greedy_matches_ar(models):
+    target, drafters = models
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    ref = generate(target, None, "ar", 1, PROMPTS, params, dtype="float64")
+    out = generate(target, drafters[8], "ddtree", 32, PROMPTS, params, dtype="float64")
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", 1), ("ddtree", 64)])
+def test_stop_tokens_and_max_tokens_trim_mid_round(models, reference, method, budget):
+    """A stop id or max_tokens inside a round cuts the output exactly where AR would stop."""
+    target, drafters = models
+    full = reference[2]
+    stop_at = next(i for i in range(3, len(full)) if full[i] not in full[:i])
+    stop_tok = full[stop_at]
+    out = generate(target, drafters[8], method, budget, [PROMPTS[2]],
+                   SamplingParams(max_tokens=48, stop_token_ids=[stop_tok], ignore_eos=True))[0]
+    assert out.token_ids == full[:stop_at] and out.finish_reason == "stop"
+    for n in (1, 2, 5, 11):
+        out = generate(target, drafters[8], method, budget, [PROMPTS[2]], SamplingParams(max_tokens=n, ignore_eos=True))[0]
+        assert out.token_ids == full[:n] and out.finish_reason == "length"
+
+
+def test_eos_from_config_stops(models, reference):
+    """The checkpoint's EOS (vocab-1 in the tiny configs) ends generation when it is produced."""
+    target, drafters = models
+    eos = VOCAB - 1
+    params = SamplingParams(max_tokens=48)
+    for prompt, full in zip(PROMPTS, reference):
+        out = generate(target, drafters[4], "ddtree", 16, [prompt], params)[0]
+        want = full[: full.index(eos)] if eos in full else full
+        assert out.token_ids == want
+
+
+def test_prompt_lengths(models):
+    """Prompts of many lengths (1..60) give AR-identical output."""
+    target, drafters = models
+    prompts = [[(i * 7 + j) % (VOCAB - 2) for j in range(n)] for i, n in enumerate((1, 2, 9, 31, 60))]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = generate(target, None, "ar", 1, prompts, params)
+    out = generate(target, drafters[16], "ddtree", 128, prompts, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
