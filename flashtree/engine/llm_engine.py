@@ -51,19 +51,29 @@ def load_tokenizer(path):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, share_weights: "LLMEngine | None" = None) -> None:
+        """`share_weights`: an engine over the same checkpoints whose loaded modules to reuse, so
+        several configurations (methods, budgets, limits) can run side by side without reloading;
+        each engine still owns its KV caches. The bench drives its grid this way."""
         self.config = config
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = parse_dtype(config.dtype, device)
         self.device = device
-        self.target = load_target(config.target, dtype, device)
+        other = share_weights
+        if other is not None and (other.config.target, other.device, other.dtype) != (config.target, device, dtype):
+            raise FlashtreeError("share_weights needs an engine with the same target, device and dtype")
+        self.dtype = dtype
+        self.target = other.target if other is not None else load_target(config.target, dtype, device)
         self.drafter = None
         if config.method != "ar":
-            self.drafter = load_drafter(config.drafter, self.target, dtype, device)
+            if other is not None and other.drafter is not None and other.config.drafter == config.drafter:
+                self.drafter = other.drafter
+            else:
+                self.drafter = load_drafter(config.drafter, self.target, dtype, device)
         limit = getattr(self.target.args, "max_position_embeddings", 4096)
         if config.max_model_len is None:
             config.max_model_len = min(limit, 4096)
-        self.tokenizer = load_tokenizer(self.target.source_dir)
+        self.tokenizer = other.tokenizer if other is not None else load_tokenizer(self.target.source_dir)
         self.eos_ids = self._eos_ids()
         self.scheduler = Scheduler(config.max_batch, config.max_queue)
         self.runner = ModelRunner(config, self.target, self.drafter, device)
