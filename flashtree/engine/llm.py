@@ -52,9 +52,15 @@ class LLM:
             raise FlashtreeError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each")
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         engine = self.engine
-        reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        with tqdm(total=len(reqs), disable=not use_tqdm, desc="generate") as bar:
-            while any(not r.finished for r in reqs):
+        for p in prompts:  # validate everything before any work starts
+            engine.encode(p)
+        pending = list(zip(prompts, plist))[::-1]
+        reqs = []
+        with tqdm(total=len(pending), disable=not use_tqdm, desc="generate") as bar:
+            while pending or any(not r.finished for r in reqs):
+                # Feed the bounded queue lazily so any number of prompts can be generated.
+                while pending and len(engine.scheduler.waiting) < engine.config.max_queue:
+                    reqs.append(engine.add_request(*pending.pop()))
                 for out in engine.step():
                     if out.finished:
                         bar.update(1)
