@@ -1,5 +1,9 @@
 """The speculative round: draft -> tree -> verify -> walk -> commit, batched over requests.
 
+Stages as timed: draft = drafter forward + LM head + appending the accepted nodes' features to
+the drafter's context; tree = building the tree; verify = target forward (mask included) +
+per-node token choice; commit = accept walk + the round's one host read + KV compaction.
+
 Everything between the drafter call and the commit stays on the device; the round reads
 back one small tensor (accepted counts and tokens) at the end.
 """
@@ -88,7 +92,9 @@ class ModelRunner:
             host = torch.cat([walk.num_nodes[:, None], walk.tokens], dim=1).tolist()
             counts = [row[0] for row in host]
             self.cache.commit(view, walk.path, counts, chain=spec.is_chain)
-            if self.drafter is not None:
+        if self.drafter is not None:
+            # Projecting the accepted nodes' features into drafter K/V is drafter model work.
+            with self.clock.stage("draft"):
                 feats = gather_nodes(out.features, walk.path)
                 self.drafter.add_context(self.draft_cache.view(slots), feats, counts)
         emitted = [row[1 : 1 + row[0]] for row in host]
