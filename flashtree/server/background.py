@@ -1,0 +1,43 @@
+"""uvicorn on a free loopback port in a daemon thread: for tests and in-process benchmarks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import uvicorn
+
+
+class BackgroundServer:
+    """`with BackgroundServer(app) as url:` serves `app` at url until the block ends.
+
+    uvicorn skips signal handlers off the main thread, so stopping goes through
+    `should_exit`, which runs the same graceful shutdown (and the app's lifespan) as SIGTERM.
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout_graceful_shutdown: float = 5.0) -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=timeout_graceful_shutdown)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.host = host
+
+    def start(self, timeout: float = 60.0) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://{self.host}:{port}"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

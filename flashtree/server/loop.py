@@ -1,0 +1,208 @@
+"""The engine thread: the only code that touches the LLMEngine while the server runs.
+
+HTTP handlers never call the engine. They put commands on a thread-safe inbox and get
+answers back on asyncio objects through `loop.call_soon_threadsafe`. The thread drains the
+inbox between rounds, so requests join (add) and leave (abort) only at round boundaries,
+which is where the engine's continuous batching expects them. When there is no work the
+thread sleeps on the inbox instead of spinning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from flashtree.engine import LLMEngine
+from flashtree.engine.sequence import Request
+from flashtree.errors import FlashtreeError
+from flashtree.sampling import SamplingParams
+from flashtree.server.metrics import ServerMetrics
+
+log = logging.getLogger("flashtree.server")
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread is not running (shutting down, or it died); HTTP 503."""
+
+
+@dataclass
+class Update:
+    """One request's progress after a round. `text` is cumulative (the engine's trimmed text)."""
+
+    text: str
+    completion_tokens: int
+    finish_reason: str | None = None
+    error: BaseException | None = None
+
+
+class RequestStream:
+    """The asyncio side of one request: an admission future, then a queue of Updates."""
+
+    def __init__(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.admitted: asyncio.Future[int] = self.loop.create_future()  # -> prompt token count
+        self.updates: asyncio.Queue[Update] = asyncio.Queue()
+        self.finished = False
+
+    # Called on the engine thread; everything crosses over with call_soon_threadsafe.
+    def _post(self, fn, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is gone (server shut down): nobody is listening
+            pass
+
+    def _admit(self, prompt_tokens: int) -> None:
+        self._post(_set_result, self.admitted, prompt_tokens)
+
+    def _reject(self, error: BaseException) -> None:
+        self._post(_set_exception, self.admitted, error)
+
+    def _update(self, update: Update) -> None:
+        self._post(self.updates.put_nowait, update)
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, error: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(error)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.streams: dict[str, tuple[Request, RequestStream]] = {}
+        self.thread = threading.Thread(target=self._run, name="flashtree-engine", daemon=True)
+        self.stopping = False
+
+    # ---- called from the event loop --------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive() and not self.stopping
+
+    async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+        """Queue a request; returns once the engine accepted it (or raises its refusal)."""
+        if not self.alive:
+            raise EngineStopped("the server is shutting down")
+        stream = RequestStream(request_id, prompt, params)
+        self.inbox.put(("add", stream))
+        try:
+            await stream.admitted
+        except asyncio.CancelledError:  # client left before admission: the add is queued, undo it
+            self.cancel(stream)
+            raise
+        return stream
+
+    def cancel(self, stream: RequestStream) -> None:
+        """Abort a request whose client went away; a no-op once it has finished.
+
+        The inbox is FIFO, so an abort always lands after its own add."""
+        if not stream.finished:
+            self.inbox.put(("abort", stream.request_id))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort whatever is still in flight and join the thread (uvicorn drained HTTP first)."""
+        self.stopping = True
+        self.inbox.put(("stop", None))
+        self.thread.join(timeout)
+
+    # ---- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            block = not engine.has_unfinished
+            if not self._drain(block):
+                break
+            self.metrics.observe_queue(engine)
+            if not engine.has_unfinished:
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a bug or device error: fail the batch, keep serving
+                log.exception("engine step failed; aborting %d requests", len(self.streams))
+                self._abort_all(e)
+                continue
+            self.metrics.observe_round(engine, outputs)
+            for out in outputs:
+                self._deliver(out.request)
+            self.metrics.observe_queue(engine)
+        stopped = EngineStopped("the server shut down before this request finished")
+        self._abort_all(stopped)
+        while True:  # adds that raced with the stop command
+            try:
+                kind, arg = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                arg._reject(stopped)
+        self.metrics.observe_queue(engine)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; False once told to stop."""
+        while True:
+            try:
+                kind, arg = self.inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(arg)
+            elif kind == "abort" and arg in self.streams:
+                req, stream = self.streams[arg]
+                self.engine.abort(req)
+                self._deliver(req)
+
+    def _add(self, stream: RequestStream) -> None:
+        if self.stopping:
+            stream._reject(EngineStopped("the server is shutting down"))
+            return
+        try:
+            req = self.engine.add_request(stream.prompt, stream.params, stream.request_id)
+        except FlashtreeError as e:  # bad prompt or QueueFull: the handler maps it to 400/429
+            stream._reject(e)
+            return
+        except Exception as e:  # e.g. a tokenizer failure on odd input; still only this request's
+            log.exception("add_request failed")
+            stream._reject(e)
+            return
+        self.streams[req.request_id] = (req, stream)
+        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        stream._admit(len(req.prompt_ids))
+
+    def _deliver(self, req: Request, error: BaseException | None = None) -> None:
+        entry = self.streams.get(req.request_id)
+        if entry is None:
+            return
+        stream = entry[1]
+        reason = req.finish_reason if req.finished else None
+        if req.finished:
+            del self.streams[req.request_id]
+            stream.finished = True
+            self.metrics.finished(req, "error" if error is not None else reason)
+        stream._update(Update(req.text, len(req.output_ids), reason, error))
+
+    def _abort_all(self, error: BaseException) -> None:
+        for req, _ in list(self.streams.values()):
+            self.engine.abort(req)
+            self._deliver(req, error)
+        # Requests the engine holds that no stream owns (none expected) must not linger either.
+        for req in list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running):
+            self.engine.abort(req)

@@ -1,0 +1,58 @@
+"""Prometheus metrics for one server app.
+
+Each app gets its own CollectorRegistry, so tests (and embedders) can build several apps
+in one process without "duplicated timeseries" errors from the global registry. Updates
+come from the engine thread and the HTTP handlers; prometheus_client is thread-safe.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+ACCEPT_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64)
+ROUND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# "stop"/"length"/"abort" are engine finish reasons; the rest are the server's refusals.
+STATUSES = ("stop", "length", "abort", "error", "invalid", "rejected")
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("flashtree_requests", "Finished or refused requests by outcome "
+                                "(stop, length, abort = client left, error, invalid = 4xx, rejected = 429)",
+                                ["status"], registry=r)
+        for status in STATUSES:
+            self.requests.labels(status)  # export zeros, so dashboards and tests see every series
+        self.prompt_tokens = Counter("flashtree_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("flashtree_generation_tokens", "Tokens generated", registry=r)
+        self.accept_length = Histogram("flashtree_accept_length", "Tokens committed per request and round "
+                                       "(bonus included; 1 = no draft token accepted)", buckets=ACCEPT_BUCKETS,
+                                       registry=r)
+        self.round_seconds = Histogram("flashtree_round_seconds", "Wall time of one batched round "
+                                       "(draft + tree + verify + commit)", buckets=ROUND_BUCKETS, registry=r)
+        self.batch_size = Gauge("flashtree_batch_size", "Requests in the last round (0 when idle)", registry=r)
+        self.waiting = Gauge("flashtree_requests_waiting", "Requests queued for a free slot", registry=r)
+        self.running = Gauge("flashtree_requests_running", "Requests holding a slot", registry=r)
+        self._last_round = None
+
+    def observe_round(self, engine, outputs) -> None:
+        """After engine.step(): the round's latency, batch and acceptance, and new tokens."""
+        info = engine.last_round
+        if info is not None and info is not self._last_round:
+            self._last_round = info
+            self.round_seconds.observe(info.seconds)
+            self.batch_size.set(info.batch_size)
+            for n in info.accept_lengths:
+                self.accept_length.observe(n)
+        self.generation_tokens.inc(sum(len(o.new_token_ids) for o in outputs))
+
+    def observe_queue(self, engine) -> None:
+        scheduler = engine.scheduler
+        self.waiting.set(len(scheduler.waiting))
+        self.running.set(len(scheduler.running))
+        if not scheduler.has_work:
+            self.batch_size.set(0)
+
+    def finished(self, req, status: str | None) -> None:
+        self.requests.labels(status or "abort").inc()

@@ -1,0 +1,228 @@
+"""OpenAI request and response bodies, validated strictly.
+
+Strict types (no "1" for 1, no true for 1), no NaN/Infinity, and `extra="forbid"`, so a
+misspelled or unsupported field is a 400 that names it rather than a silently ignored knob.
+OpenAI fields that the engine cannot honour are accepted only at their neutral value
+(n=1, logprobs off, penalties 0, echo off) so that clients which send defaults still work.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from flashtree.sampling import SamplingParams
+
+INT64 = 2**63
+MAX_STOP = 16
+
+# OpenAI fields the engine cannot honour -> the values that mean "off". A request may send
+# them at those values (many clients send defaults); any other value is a 400 naming the field.
+UNSUPPORTED: dict[str, tuple] = {
+    "n": (1,),
+    "best_of": (1, None),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (False, None),
+    "suffix": (None, ""),
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+def drop_neutral(data):
+    """Remove unsupported OpenAI fields sent at their "off" value; refuse any other value."""
+    if not isinstance(data, dict):
+        return data
+    for key, neutral in UNSUPPORTED.items():
+        if key in data:
+            value = data[key]
+            if not any(value == v and type(value) is type(v) for v in neutral):
+                allowed = " or ".join("null" if v is None else repr(v) for v in neutral)
+                raise PydanticCustomError("unsupported", "{field}={value} is not supported by this server "
+                                          "(allowed: {allowed})", {"field": key, "value": repr(value)[:40],
+                                                                    "allowed": allowed})
+    return {k: v for k, v in data.items() if k not in UNSUPPORTED}
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+Stop = Annotated[str, Field(min_length=1)]
+
+
+class SamplingFields(Strict):
+    """Fields both endpoints share; everything here maps onto SamplingParams."""
+
+    model: str | None = Field(None, description="the served model name (see /v1/models); optional")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, le=1_000_000, description="0 or -1 = off (extension)")
+    max_tokens: int | None = Field(None, ge=1, le=1_000_000, description="capped by the context left after the prompt")
+    stop: Stop | list[Stop] | None = Field(None, description=f"up to {MAX_STOP} stop strings")
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = Field(False, description="keep generating past EOS (extension)")
+
+    _neutral = model_validator(mode="before")(drop_neutral)
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, v):
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        return v
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_tokens=max_tokens, stop=stop, seed=self.seed, ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] = Field(
+        ..., description="one prompt: text, or a list of token ids (batched prompts are not supported)")
+    max_tokens: int | None = Field(16, ge=1, le=1_000_000, description="OpenAI's default is 16")
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000, description="newer name for max_tokens")
+
+    @model_validator(mode="after")
+    def _one_limit(self):
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give max_tokens or max_completion_tokens, not both")
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "flashtree"
+    max_model_len: int
+    method: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

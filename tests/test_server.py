@@ -1,0 +1,342 @@
+"""The OpenAI-compatible server, over real HTTP on 127.0.0.1.
+
+Uses the embedded demo pair when it exists, else a tiny random Qwen3 target with a small
+trained BPE tokenizer (any text round-trips, so the checks do not depend on model quality).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from flashtree import EngineConfig, LLMEngine
+from flashtree.config import DEMO_DRAFTER, DEMO_TARGET
+from flashtree.server import BackgroundServer, build_app
+from tiny import make_drafter, make_target
+
+PROMPT_DIR = Path(__file__).parents[1] / "flashtree" / "bench" / "prompts"
+MAX_MODEL_LEN = 256
+
+
+def bench_prompts() -> list[str]:
+    lines = [json.loads(x) for f in sorted(PROMPT_DIR.glob("*.jsonl")) for x in f.read_text().splitlines() if x]
+    return [x["prompt"] for x in lines]
+
+
+def model_pair(root: Path) -> tuple[str, str]:
+    """(target, drafter): the demo pair if it is there, else tiny random checkpoints under root."""
+    if (DEMO_TARGET / "config.json").is_file() and (DEMO_DRAFTER / "config.json").is_file():
+        return str(DEMO_TARGET), str(DEMO_DRAFTER)
+    from flashtree.train.tokenizer import save_tokenizer, train_tokenizer
+
+    tok = train_tokenizer(bench_prompts(), vocab_size=512)
+    target = make_target(root / "target", vocab=tok.get_vocab_size(), logit_scale=3.0)
+    save_tokenizer(tok, target)
+    drafter = make_drafter(root / "drafter", target_layers=4, vocab=tok.get_vocab_size())
+    return str(target), str(drafter)
+
+
+@contextlib.contextmanager
+def live_server(pair: tuple[str, str], slow_round: float = 0.0, grace: float = 5.0, **config):
+    """Yields (base url, app, engine) for a server on a free loopback port."""
+    settings = dict(method="ddtree", budget=16, device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN) | config
+    engine = LLMEngine(EngineConfig(target=pair[0], drafter=pair[1], **settings))
+    if slow_round:  # make rounds last long enough that a test can act while requests are in flight
+        step = engine.step
+
+        def slow_step():
+            time.sleep(slow_round)
+            return step()
+
+        engine.step = slow_step
+    app = build_app(engine)
+    server = BackgroundServer(app, timeout_graceful_shutdown=grace)
+    url = server.start()
+    try:
+        yield url, app, engine
+    finally:
+        server.stop()
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def wait_for(cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[str, str]:
+    return model_pair(tmp_path_factory.mktemp("server_models"))
+
+
+@pytest.fixture(scope="module")
+def server(pair):
+    with live_server(pair, max_batch=8, max_queue=64) as (url, app, engine):
+        yield url, app, engine
+
+
+@pytest.fixture(scope="module")
+def model(server) -> str:
+    return httpx.get(f"{server[0]}/v1/models").json()["data"][0]["id"]
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+# ---- the basics ----------------------------------------------------------------------------------
+
+
+def test_health_models_metrics(server, model):
+    url = server[0]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    card = httpx.get(f"{url}/v1/models").json()["data"][0]
+    assert card["id"] == model and card["max_model_len"] == MAX_MODEL_LEN and card["method"] == "ddtree"
+    text = httpx.get(f"{url}/metrics").text
+    for name in ["flashtree_requests_total", "flashtree_prompt_tokens_total", "flashtree_generation_tokens_total",
+                 "flashtree_accept_length_bucket", "flashtree_round_seconds_bucket", "flashtree_batch_size",
+                 "flashtree_requests_waiting", "flashtree_requests_running"]:
+        assert name in text
+
+
+def test_completions_stream_matches_non_stream(client, model):
+    prompt = bench_prompts()[0]
+    full = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0)
+    choice = full.choices[0]
+    assert choice.finish_reason in ("length", "stop") and full.usage.completion_tokens >= 1
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens  # usage rides on the last chunk
+
+
+def test_chat_stream_matches_non_stream(client, model):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a haiku."}]
+    full = client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0)
+    assert full.choices[0].message.role == "assistant" and full.usage.prompt_tokens > 0
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_stop_string_streamed_like_non_streamed(client, model):
+    """A stop string that appears mid-output cuts both forms at the same place (stream hold-back)."""
+    prompt = bench_prompts()[3]
+    base = client.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0).choices[0].text
+    assert len(base) >= 8
+    stop = base[len(base) // 2: len(base) // 2 + 3]
+    cut = client.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0, stop=[stop])
+    assert cut.choices[0].text == base[: base.index(stop)] and cut.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0, stop=stop,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
+
+
+def test_seeded_sampling_repeats(client, model):
+    kw = dict(model=model, prompt="Once upon a time", max_tokens=12, temperature=0.9, top_p=0.95, seed=7,
+              extra_body={"top_k": 50})
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_token_id_prompt(server, model):
+    body = {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0}
+    r = httpx.post(f"{server[0]}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 4
+
+
+# ---- continuous batching is lossless -----------------------------------------------------------
+
+
+def test_sixteen_concurrent_requests_equal_their_single_runs(server, model):
+    url = server[0]
+    prompts = bench_prompts()
+    cases = [{"model": model, "prompt": prompts[(5 * i) % len(prompts)][: 40 + 23 * i], "max_tokens": 4 + 3 * (i % 7),
+              "temperature": 0} for i in range(16)]
+    cases[3]["stop"] = ["\n\n"]
+    with httpx.Client(timeout=120) as http:
+        rounds0 = metric(url, "flashtree_round_seconds_count")
+        alone = [http.post(f"{url}/v1/completions", json=c).json() for c in cases]
+        rounds_alone = metric(url, "flashtree_round_seconds_count") - rounds0
+
+    async def together():
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*[http.post(f"{url}/v1/completions", json=c) for c in cases])
+
+    rounds0 = metric(url, "flashtree_round_seconds_count")
+    batched = [r.json() for r in asyncio.run(together())]
+    rounds_batched = metric(url, "flashtree_round_seconds_count") - rounds0
+    for a, b in zip(alone, batched):
+        assert b["choices"][0]["text"] == a["choices"][0]["text"]
+        assert b["usage"] == a["usage"] and b["choices"][0]["finish_reason"] == a["choices"][0]["finish_reason"]
+    # They really shared rounds: 16 requests over 8 slots take far fewer rounds than one by one.
+    assert rounds_batched < rounds_alone / 2
+    wait_for(lambda: metric(url, "flashtree_requests_running") == 0 and metric(url, "flashtree_requests_waiting") == 0)
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+LONG = "word " * (3 * MAX_MODEL_LEN)
+BAD = [  # (path, raw body or json, status, param, words the message must contain)
+    ("/v1/completions", b"{not json", 400, None, "malformed JSON"),
+    ("/v1/completions", b"", 400, None, "body is missing"),
+    ("/v1/completions", b"[1, 2]", 400, None, "JSON object"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "number"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, 400, "max_tokens", "integer"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens", "greater than"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**12}, 400, "max_tokens", "less than"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, 400, "max_tokens", str(MAX_MODEL_LEN)),
+    ("/v1/completions", {"prompt": "hi", "temperature": 7.5}, 400, "temperature", "less than"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "greater than"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed", "less than"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4o"}, 404, "model", "does not exist"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", "at least 1"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", "at least 1"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "valid"),
+    ("/v1/completions", {"prompt": [10**8]}, 400, None, "token ids"),
+    ("/v1/completions", {"prompt": LONG}, 400, None, f"context holds {MAX_MODEL_LEN}"),
+    ("/v1/completions", {"prompt": [5] * MAX_MODEL_LEN}, 400, None, f"context holds {MAX_MODEL_LEN}"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate", "unknown field"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 40}, 400, "stop", "at most"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop[0]", "at least 1"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", "system"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     400, "tools", "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs",
+     "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, None,
+     f"context holds {MAX_MODEL_LEN}"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,words", BAD, ids=[f"{i}-{c[0][4:]}" for i, c in enumerate(BAD)])
+def test_bad_input_is_an_openai_error_and_the_server_keeps_serving(server, model, path, body, status, param, words):
+    url = server[0]
+    if isinstance(body, bytes):
+        r = httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"}, timeout=60)
+    else:
+        r = httpx.post(f"{url}{path}", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert words in error["message"] and error["param"] == param, error
+    ok = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_openai_client_sees_bad_request(client, model):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=model, prompt="hi", temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_unknown_route_and_method_are_openai_errors(server):
+    assert httpx.get(f"{server[0]}/v1/nothing").json()["error"]["message"] == "Not Found"
+    r = httpx.get(f"{server[0]}/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+# ---- backpressure, hang-ups, failures ------------------------------------------------------------
+
+
+def long_stream(url: str, model: str):
+    """A streamed request that would run for a long time; returns once its first chunk arrived.
+
+    Keep the returned line iterator alive: dropping it closes the response (a hang-up)."""
+    http = httpx.Client(timeout=60)
+    body = {"model": model, "prompt": "Tell me a story.", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True,
+            "stream": True, "temperature": 0}
+    r = http.send(http.build_request("POST", f"{url}/v1/completions", json=body), stream=True)
+    assert r.status_code == 200
+    lines = r.iter_lines()
+    assert next(lines).startswith("data: ")
+    return http, r, lines
+
+
+def test_queue_full_disconnects_and_engine_errors(pair):
+    with live_server(pair, slow_round=0.05, max_batch=1, max_queue=1) as (url, app, engine):
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        running = lambda: metric(url, "flashtree_requests_running")  # noqa: E731
+        waiting = lambda: metric(url, "flashtree_requests_waiting")  # noqa: E731
+        a_http, a, _ = long_stream(url, model)
+        # B waits for A's slot (its stream is open: 200 and headers come once it is queued).
+        b_http = httpx.Client(timeout=60)
+        b = b_http.send(b_http.build_request("POST", f"{url}/v1/completions", json={
+            "model": model, "prompt": "Queued.", "max_tokens": 8, "stream": True}), stream=True)
+        wait_for(lambda: running() == 1 and waiting() == 1)
+        # The queue holds one: C is refused with 429 and a Retry-After.
+        c = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "C", "max_tokens": 2})
+        assert c.status_code == 429 and c.json()["error"]["code"] == "queue_full" and c.headers["retry-after"]
+        # B hangs up while queued, then A hangs up mid-stream: both slots come back.
+        b.close(), b_http.close()
+        wait_for(lambda: waiting() == 0)
+        assert running() == 1
+        a.close(), a_http.close()
+        wait_for(lambda: running() == 0 and waiting() == 0)
+        assert metric(url, 'flashtree_requests_total{status="abort"}') == 2
+        assert metric(url, 'flashtree_requests_total{status="rejected"}') == 1
+        # A non-streamed client that gives up is aborted too.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 200,
+                                                      "ignore_eos": True}, timeout=httpx.Timeout(60, read=0.5))
+        wait_for(lambda: running() == 0 and metric(url, 'flashtree_requests_total{status="abort"}') == 3)
+
+        # A failing round fails its requests with a 500 and the next request is served normally.
+        step, calls = engine.step, []
+
+        def broken_step():
+            if not calls:
+                calls.append(1)
+                raise RuntimeError("simulated device error")
+            return step()
+
+        engine.step = broken_step
+        r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 500 and "RuntimeError" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert metric(url, 'flashtree_requests_total{status="error"}') == 1
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_shutdown_finishes_in_flight_requests(pair):
+    """Stopping the server (what SIGTERM does) lets a running stream finish, then stops the engine."""
+    lines: list[str] = []
+    with live_server(pair, max_batch=2, grace=120) as (url, app, engine):
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        http, r, rest = long_stream(url, model)
+        reader = threading.Thread(target=lambda: lines.extend(x for x in rest if x))
+        reader.start()
+    # Leaving the block stopped the server while the stream was still running.
+    reader.join(60)
+    http.close()
+    assert lines[-1] == "data: [DONE]" and '"finish_reason": "length"' in lines[-2]
+    assert not app.state.engine_loop.thread.is_alive() and not engine.has_unfinished
