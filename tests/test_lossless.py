@@ -91,3 +91,34 @@ def test_prompt_lengths(models):
     ref = generate(target, None, "ar", 1, prompts, params)
     out = generate(target, drafters[16], "ddtree", 128, prompts, params)
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+
+
+def test_stop_strings_trim_text_exactly(tmp_path):
+    """A stop string completed inside a round cuts the text right before it, as with AR."""
+    import shutil
+
+    from flashtree.config import DEMO_TARGET
+
+    tok_files = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+    if not all((DEMO_TARGET / f).is_file() for f in tok_files):
+        pytest.skip("the demo tokenizer is not built yet")
+    target = make_target(tmp_path / "t", vocab=4096, hidden=32, logit_scale=4.0)
+    for f in tok_files:
+        shutil.copy(DEMO_TARGET / f, target / f)
+    drafter = make_drafter(tmp_path / "d", target_layers=4, vocab=4096, block_size=8)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    full = generate(target, None, "ar", 1, ["def f(x):"], params)[0].text
+    assert len(full) > 12
+    stop = full[9:12]
+    cut = full[: full.index(stop)]
+    for method, budget in (("ar", 1), ("dflash", 1), ("ddtree", 64)):
+        out = generate(target, drafter, method, budget, ["def f(x):"],
+                       SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop]))[0]
+        assert out.text == cut and out.finish_reason == "stop"
+
+
+def test_budget_1024_block_16(models, reference):
+    """The largest budget runs through the whole engine and stays lossless."""
+    target, drafters = models
+    outs = generate(target, drafters[16], "ddtree", 1024, PROMPTS[:2], SamplingParams(max_tokens=48, ignore_eos=True))
+    assert [o.token_ids for o in outs] == reference[:2]
