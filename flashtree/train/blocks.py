@@ -1,0 +1,284 @@
+"""The DFlash training forward: every anchored block of a sequence in ONE drafter pass.
+
+A block anchored at position `a` is `[token at a, MASK x (B-1)]` at positions a..a+B-1,
+exactly the block the engine drafts after committing a tokens with bonus token ids[a]. Its
+queries see (1) the target's fused features of context positions STRICTLY before a, and
+(2) the B slots of their own block, bidirectionally; never another block. Slot k predicts
+the token at a+k. These are the two places where a public reproduction lost most of its
+acceptance (a `<=` for the `<`, and labels shifted by one), so both live here, in one
+place, and the tests pin them.
+
+Three attention paths compute the same thing:
+- `flex`: FlexAttention with a block-sparse mask (CUDA); cost ~ what the mask keeps.
+- `split`: the context part and the per-block part as two small score tensors under one
+  softmax; plain matmuls, the fast path on CPU.
+- `dense`: SDPA over all blocks with a boolean mask; the simple reference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from flashtree.models.dflash import DFlashDrafter
+from flashtree.models.layers import apply_rotary
+
+BACKENDS = ("auto", "flex", "split", "dense")
+IGNORE = -100
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss-weight decay length: 7 for B = 16 (the paper's value), scaled with B."""
+    return 7.0 * block_size / 16
+
+
+def slot_weights(block_size: int, gamma: float | None = None) -> Tensor:
+    """w_k = exp(-(k-1)/gamma) for slots k = 1..B-1: early slots gate every later one."""
+    gamma = default_gamma(block_size) if gamma is None else gamma
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def anchor_candidates(loss_mask: Tensor) -> Tensor:
+    """Positions that may open a block: a response token followed by another one.
+
+    The engine's bonus token is always target-written, so the anchor must be a response
+    token; and a block whose slot 1 has no label teaches nothing.
+    """
+    if len(loss_mask) < 2:
+        return torch.zeros(0, dtype=torch.long)
+    ok = loss_mask[:-1] & loss_mask[1:]
+    ok[0] = False  # the drafter always has some context
+    return ok.nonzero().flatten()
+
+
+def sample_anchors(loss_mask: Tensor, max_anchors: int, generator: torch.Generator | None = None) -> Tensor:
+    """Up to `max_anchors` distinct candidate positions, uniformly, sorted (redrawn every step)."""
+    cand = anchor_candidates(loss_mask)
+    if len(cand) > max_anchors:
+        pick = torch.randperm(len(cand), generator=generator)[:max_anchors]
+        cand = cand[pick.sort().values]
+    return cand
+
+
+@dataclass
+class BlockBatch:
+    """S sequences padded to T tokens, each with up to m anchors padded (valid = False)."""
+
+    input_ids: Tensor  # [S, T]
+    loss_mask: Tensor  # [S, T] bool
+    lengths: Tensor  # [S]
+    anchors: Tensor  # [S, m]; padding anchors are 0
+    valid: Tensor  # [S, m] bool
+    features: Tensor | None  # [S, T, F]
+
+    def to(self, device: torch.device) -> "BlockBatch":
+        f = None if self.features is None else self.features.to(device)
+        return BlockBatch(self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device),
+                          self.anchors.to(device), self.valid.to(device), f)
+
+
+def make_batch(rows: list, max_anchors: int, generator: torch.Generator | None = None) -> BlockBatch:
+    """Pad FeatureRows into one batch and draw each sequence's anchors."""
+    s, t = len(rows), max(len(r.input_ids) for r in rows)
+    anchors = [sample_anchors(r.loss_mask, max_anchors, generator) for r in rows]
+    m = max(1, max(len(a) for a in anchors))
+    ids = torch.zeros(s, t, dtype=torch.long)
+    mask = torch.zeros(s, t, dtype=torch.bool)
+    anc = torch.zeros(s, m, dtype=torch.long)
+    valid = torch.zeros(s, m, dtype=torch.bool)
+    feats = None
+    if rows[0].features is not None:
+        feats = torch.zeros(s, t, rows[0].features.shape[-1], dtype=rows[0].features.dtype)
+    for i, (r, a) in enumerate(zip(rows, anchors)):
+        n = len(r.input_ids)
+        ids[i, :n], mask[i, :n] = r.input_ids, r.loss_mask
+        anc[i, : len(a)], valid[i, : len(a)] = a, True
+        if feats is not None:
+            feats[i, :n] = r.features
+    lengths = torch.tensor([len(r.input_ids) for r in rows])
+    return BlockBatch(ids, mask, lengths, anc, valid, feats)
+
+
+def block_tokens(input_ids: Tensor, anchors: Tensor, block_size: int, mask_token_id: int) -> Tensor:
+    """[S, m, B]: the anchor's own token, then B-1 mask tokens."""
+    tokens = torch.full((*anchors.shape, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    tokens[..., 0] = input_ids.gather(1, anchors)
+    return tokens
+
+
+def block_labels(batch: BlockBatch, block_size: int) -> Tensor:
+    """[S, m, B-1]: column k-1 holds the token at anchor + k (IGNORE where it must not count).
+
+    Only response tokens inside the sequence count, and only for real anchors.
+    """
+    s, t = batch.input_ids.shape
+    pos = batch.anchors[..., None] + torch.arange(1, block_size, device=batch.anchors.device)  # [S, m, B-1]
+    inside = pos < batch.lengths[:, None, None]
+    flat = pos.clamp(max=t - 1).flatten(1)
+    tokens = batch.input_ids.gather(1, flat).view_as(pos)
+    counted = batch.loss_mask.gather(1, flat).view_as(pos) & inside & batch.valid[..., None]
+    return torch.where(counted, tokens, torch.full_like(tokens, IGNORE))
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+def context_visible(anchors: Tensor, block_size: int, t: int, window: int | None) -> Tensor:
+    """[S, m*B, T]: query (block j, slot i) sees context key p iff p < anchor_j (and in window)."""
+    keys = torch.arange(t, device=anchors.device)
+    qa = anchors.repeat_interleave(block_size, dim=1)  # anchor of every query
+    vis = keys[None, None, :] < qa[:, :, None]
+    if window is not None:
+        slot = torch.arange(block_size, device=anchors.device).repeat(anchors.shape[1])
+        vis = vis & ((qa + slot)[:, :, None] - keys[None, None, :] < window)
+    return vis
+
+
+def dense_attention(q, ck, cv, bk, bv, anchors, block_size, window, scale) -> Tensor:
+    s, _, n, _ = q.shape
+    ctx = context_visible(anchors, block_size, ck.shape[2], window)
+    blk = torch.arange(n, device=q.device) // block_size
+    own = (blk[:, None] == blk[None, :]).expand(s, -1, -1)
+    mask = torch.cat([ctx, own], dim=2)[:, None]
+    keys, values = torch.cat([ck, bk], dim=2), torch.cat([cv, bv], dim=2)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                          enable_gqa=keys.shape[1] != q.shape[1])
+
+
+def split_attention(q, ck, cv, bk, bv, anchors, block_size, window, scale) -> Tensor:
+    """Scores against the context [.., m*B, T] and within each block [.., m, B, B], one softmax."""
+    s, h, n, d = q.shape
+    kv, t, b = ck.shape[1], ck.shape[2], block_size
+    m, g = n // b, h // kv
+    qg = q.view(s, kv, g, n, d)
+    sc = torch.einsum("skgqd,sktd->skgqt", qg, ck) * scale
+    sc = sc.masked_fill(~context_visible(anchors, b, t, window)[:, None, None], float("-inf"))
+    sb = torch.einsum("skgmid,skmjd->skgmij", qg.view(s, kv, g, m, b, d), bk.view(s, kv, m, b, d)) * scale
+    p = torch.softmax(torch.cat([sc.view(s, kv, g, m, b, t), sb], dim=-1), dim=-1)
+    out = torch.einsum("skgmit,sktd->skgmid", p[..., :t], cv)
+    out = out + torch.einsum("skgmij,skmjd->skgmid", p[..., t:], bv.view(s, kv, m, b, d))
+    return out.reshape(s, h, n, d)
+
+
+_flex = None
+
+
+def flex_attention(q, ck, cv, bk, bv, anchors, block_size, window, scale) -> Tensor:
+    """FlexAttention over [context ; all blocks] with the block-sparse DFlash mask."""
+    global _flex
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if _flex is None:
+        _flex = torch.compile(flex, dynamic=True) if q.is_cuda else flex
+    s, _, n, _ = q.shape
+    t = ck.shape[2]
+    qa = anchors.repeat_interleave(block_size, dim=1)
+    win = window if window is not None else 1 << 30
+
+    def mask_mod(bi, hi, qi, ki):
+        a = qa[bi, qi]
+        ctx = (ki < t) & (ki < a) & (a + qi % block_size - ki < win)
+        own = (ki >= t) & ((ki - t) // block_size == qi // block_size)
+        return ctx | own
+
+    mask = create_block_mask(mask_mod, s, None, n, t + n, device=q.device)
+    keys, values = torch.cat([ck, bk], dim=2), torch.cat([cv, bv], dim=2)
+    return _flex(q, keys, values, block_mask=mask, scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
+
+
+def pick_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}")
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "split"
+    return backend
+
+
+ATTENTION = {"dense": dense_attention, "split": split_attention, "flex": flex_attention}
+
+
+class BlockDrafter(nn.Module):
+    """A DFlashDrafter run over many blocks at once with the training mask.
+
+    It reuses the drafter's own modules (fc, hidden_norm, layers, norm, rotary), so what it
+    trains is exactly what `flashtree.LLM` later loads.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, backend: str = "auto") -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.backend = backend
+
+    def forward(self, features: Tensor, noise: Tensor, anchors: Tensor) -> Tensor:
+        """Hidden states [S, m, B, d] for block embeddings `noise` [S, m, B, d].
+
+        features [S, T, F] are the target's features for context positions 0..T-1.
+        """
+        dr = self.drafter
+        s, m, b, d = noise.shape
+        t = features.shape[1]
+        backend = pick_backend(self.backend, noise.device)
+        ctx = dr.hidden_norm(dr.fc(features.to(noise.dtype)))
+        ctx_rope = dr.rotary(torch.arange(t, device=noise.device)[None].expand(s, -1), noise.dtype)
+        positions = (anchors[..., None] + torch.arange(b, device=noise.device)).view(s, m * b)
+        rope = dr.rotary(positions, noise.dtype)
+        x = noise.reshape(s, m * b, d)
+        for i, layer in enumerate(dr.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_norm(attn.q_proj(h).view(s, m * b, attn.num_heads, attn.head_dim))
+            q = apply_rotary(q.transpose(1, 2), *rope)
+            bk, bv = attn.kv(h, rope)
+            ck, cv = attn.kv(ctx, ctx_rope)
+            out = ATTENTION[backend](q, ck.transpose(1, 2), cv.transpose(1, 2), bk.transpose(1, 2),
+                                     bv.transpose(1, 2), anchors, b, dr.args.window(i), attn.head_dim**-0.5)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(s, m * b, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return dr.norm(x).view(s, m, b, d)
+
+
+@dataclass
+class LossOutput:
+    loss: Tensor
+    tokens: int  # labelled slots
+    slot_correct: Tensor  # [B-1] top-1 correct counts per slot
+    slot_count: Tensor  # [B-1] labelled counts per slot
+    accept: float  # mean over blocks of 1 + leading run of top-1 hits (a chain tau estimate)
+
+
+def block_loss(hidden: Tensor, labels: Tensor, lm_head: nn.Module, weights: Tensor) -> LossOutput:
+    """Slot-weighted CE over labelled slots 1..B-1; the LM head runs on those rows only."""
+    h = hidden[:, :, 1:]  # slot 0 holds the anchor token itself: no label
+    keep = labels != IGNORE
+    w = weights.to(h.device).expand_as(labels)[keep]
+    logits = lm_head(h[keep]).float()
+    target = labels[keep]
+    ce = F.cross_entropy(logits, target, reduction="none")
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    with torch.no_grad():
+        hit = torch.zeros_like(labels, dtype=torch.bool)
+        hit[keep] = logits.argmax(-1) == target
+        run = hit.int().cumprod(-1).sum(-1)  # leading hits per block
+        blocks = keep[..., 0]
+        accept = float((1 + run[blocks].float()).mean()) if blocks.any() else 0.0
+    return LossOutput(loss, int(keep.sum()), hit.sum((0, 1)).cpu(), keep.sum((0, 1)).cpu(), accept)
+
+
+def init_drafter_weights(drafter: DFlashDrafter, std: float = 0.02, seed: int = 0) -> None:
+    """HF-style init: normal(0, std) matrices, unit norms; scaled output projections keep the
+    residual stream at its input scale however many layers there are."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(drafter.layers)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+                continue
+            scale = std / math.sqrt(2 * n) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+            p.copy_(torch.randn(p.shape, generator=g) * scale)

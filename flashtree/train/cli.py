@@ -1,0 +1,168 @@
+"""`flashtree train regenerate | extract | train | eval | demo`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _ids(text: str | None) -> list[int] | None:
+    return [int(x) for x in text.split(",")] if text else None
+
+
+def _regenerate(a: argparse.Namespace) -> None:
+    from flashtree.train.responses import RegenerateConfig, regenerate
+
+    cfg = RegenerateConfig(prompts=a.prompts, out=a.out, target=a.target, drafter=a.drafter, method=a.method,
+                           budget=a.budget, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens,
+                           chat_template=a.chat_template, chunk=a.chunk, max_batch=a.max_batch, limit=a.limit,
+                           seed=a.seed, device=a.device, dtype=a.dtype)
+    print(json.dumps(regenerate(cfg)))
+
+
+def _extract(a: argparse.Namespace) -> None:
+    from flashtree.train.features import ExtractConfig, extract
+
+    cfg = ExtractConfig(data=a.data, out=a.out, target=a.target, layer_ids=_ids(a.layer_ids),
+                        num_draft_layers=a.num_draft_layers, shard_size=a.shard_size, batch_size=a.batch_size,
+                        max_len=a.max_len, store_dtype=a.store_dtype, device=a.device, dtype=a.dtype)
+    m = extract(cfg)
+    print(json.dumps({k: m[k] for k in ("layer_ids", "num_sequences", "complete")} | {"shards": len(m["shards"])}))
+
+
+def _train(a: argparse.Namespace) -> None:
+    from flashtree.train.trainer import TrainConfig, train
+
+    cfg = TrainConfig(out=a.out, data=a.data, sequences=a.sequences, target=a.target, block_size=a.block_size,
+                      num_layers=a.num_layers, layer_ids=_ids(a.layer_ids), intermediate_size=a.intermediate_size,
+                      mask_token_id=a.mask_token_id, gamma=a.gamma, max_anchors=a.max_anchors,
+                      batch_size=a.batch_size, grad_accum=a.grad_accum, steps=a.steps, epochs=a.epochs,
+                      minutes=a.minutes, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
+                      grad_clip=a.grad_clip, seed=a.seed, backend=a.backend, init_from_target=a.init_from_target,
+                      max_len=a.max_len, device=a.device, dtype=a.dtype, save_dtype=a.save_dtype,
+                      threads=a.threads, log_every=a.log_every, save_every=a.save_every, resume=not a.no_resume,
+                      plot=a.plot)
+    train(cfg)
+
+
+def _eval(a: argparse.Namespace) -> None:
+    from flashtree.train.tau import EvalConfig, evaluate, table
+
+    kw = {"prompts": a.prompts} if a.prompts else {}
+    cfg = EvalConfig(target=a.target, drafter=a.drafter, methods=a.methods.split(","),
+                     budgets=_ids(a.budgets), max_tokens=a.max_tokens, temperature=a.temperature,
+                     chat_template=a.chat_template, limit=a.limit, max_batch=a.max_batch, device=a.device,
+                     dtype=a.dtype, **kw)
+    results = evaluate(cfg)
+    print(table(results))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def _demo(a: argparse.Namespace) -> None:
+    from flashtree.train.demo import DemoConfig, build_demo
+
+    cfg = DemoConfig(work=a.work, build_target=not a.skip_target, target_minutes=a.target_minutes,
+                     prompts=a.prompts, train_minutes=a.minutes, train_steps=a.steps, threads=a.threads,
+                     seed=a.seed)
+    build_demo(cfg)
+
+
+def _model_args(p: argparse.ArgumentParser, drafter: bool = False) -> None:
+    p.add_argument("--target", help="HF target dir or hub id (default: the embedded demo target)")
+    if drafter:
+        p.add_argument("--drafter", help="DFlash drafter dir or hub id")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", help="the target's compute dtype (default: bf16 on cuda, fp32 on cpu)")
+
+
+def register(subparsers) -> None:
+    t = subparsers.add_parser("train", help="drafter training pipeline: regenerate, extract, train, eval, demo")
+    sub = t.add_subparsers(dest="train_command", required=True)
+
+    p = sub.add_parser("regenerate", help="write the target's own responses to a prompt JSONL")
+    p.add_argument("prompts", help='JSONL: {"messages": [...]}, {"prompt": "..."} or {"prompt_ids": [...]}')
+    p.add_argument("--out", required=True, help="output JSONL (rerun to resume)")
+    _model_args(p, drafter=True)
+    p.add_argument("--method", default="ddtree", help="ddtree (needs --drafter), dflash or ar")
+    p.add_argument("--budget", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--chat-template", action="store_true", help="wrap prompts in the target's chat template")
+    p.add_argument("--chunk", type=int, default=64, help="prompts per generate call / append")
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_regenerate)
+
+    p = sub.add_parser("extract", help="target features -> safetensors shards + manifest (resumable)")
+    p.add_argument("data", help="regenerated JSONL")
+    p.add_argument("--out", required=True, help="shard directory")
+    _model_args(p)
+    p.add_argument("--layer-ids", help="comma-separated target layers (default: DFlash's spacing)")
+    p.add_argument("--num-draft-layers", type=int, default=1, help="picks the default layer ids")
+    p.add_argument("--shard-size", type=int, default=256, help="sequences per shard")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--store-dtype", default="bfloat16", help="bfloat16, float16 or float32")
+    p.set_defaults(func=_extract)
+
+    p = sub.add_parser("train", help="train a DFlash drafter (torchrun for DDP)")
+    p.add_argument("--out", required=True, help="drafter directory (z-lab format) + checkpoint")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help="feature shard directory (offline)")
+    src.add_argument("--sequences", help="regenerated JSONL (online: the target runs in the trainer)")
+    _model_args(p)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--layer-ids", help="online mode: comma-separated target layers")
+    p.add_argument("--intermediate-size", type=int)
+    p.add_argument("--mask-token-id", type=int)
+    p.add_argument("--gamma", type=float, help="loss decay (default 7 * block_size / 16)")
+    p.add_argument("--max-anchors", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch and rank")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--epochs", type=float)
+    p.add_argument("--minutes", type=float, help="time budget (the step count is fixed after 10 steps)")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup", type=float, default=0.04)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="auto", help="auto, flex, split or dense")
+    p.add_argument("--init-from-target", action="store_true")
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--save-dtype", default="float32")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--no-resume", action="store_true")
+    p.add_argument("--plot", help="loss-curve PNG (default OUT/loss.png)")
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("eval", help="tau of a drafter for dflash and ddtree at several budgets")
+    _model_args(p, drafter=True)
+    p.add_argument("--prompts", action="append", help="prompt JSONL (repeatable; default: the bench suites)")
+    p.add_argument("--methods", default="dflash,ddtree")
+    p.add_argument("--budgets", default="16,64,256")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--chat-template", action="store_true")
+    p.add_argument("--limit", type=int, help="prompts per file")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--json", help="also write the results here")
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser("demo", help="rebuild the embedded demo target + drafter from the stdlib")
+    p.add_argument("--work", default="runs/demo")
+    p.add_argument("--skip-target", action="store_true", help="reuse the demo target already built")
+    p.add_argument("--target-minutes", type=float, default=35.0)
+    p.add_argument("--prompts", type=int, default=3000)
+    p.add_argument("--minutes", type=float, default=35.0, help="drafter training budget")
+    p.add_argument("--steps", type=int, help="exact drafter steps (overrides --minutes)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_demo)

@@ -1,0 +1,127 @@
+"""`flashtree train demo`: rebuild the embedded demo pair from nothing but the stdlib.
+
+corpus -> tokenizer -> target (flashtree.train.pretrain), then the drafter pipeline on that
+target: prompts cut from the corpus TRAIN split (the bench prompts come from held-out files)
+-> the target's own greedy responses -> features -> DFlash training -> tau on the bench
+prompts -> the drafter in flashtree/assets/demo/drafter and its loss curve in docs/figures.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from flashtree.config import DEMO_DRAFTER, DEMO_TARGET
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class DemoConfig:
+    work: str = "runs/demo"  # intermediate files (prompts, responses, features, checkpoints)
+    target: str = str(DEMO_TARGET)
+    drafter_out: str = str(DEMO_DRAFTER)
+    plot: str = str(REPO / "docs" / "figures" / "demo_drafter_loss.png")
+    build_target: bool = True  # False: reuse the target already at `target`
+    target_minutes: float = 35.0
+    prompts: int = 3000
+    prose_fraction: float = 0.33
+    max_tokens: int = 128
+    regen_method: str = "ar"  # the first drafter cannot draft for its own data
+    regen_drafter: str | None = None
+    block_size: int = 16
+    num_layers: int = 2
+    layer_ids: list[int] = field(default_factory=lambda: [1, 3, 5])
+    max_anchors: int = 512
+    batch_size: int = 4
+    lr: float = 6e-4
+    train_minutes: float | None = 35.0
+    train_steps: int | None = None  # overrides train_minutes (exact reproduction)
+    save_dtype: str = "float32"
+    threads: int = 1
+    seed: int = 0
+    eval_limit: int | None = None
+
+
+def training_prompts(n: int, prose_fraction: float, seed: int) -> list[dict]:
+    """Code and prose prompts cut the same way as the bench suites, but from TRAIN files.
+
+    Same cutting rules -> the drafter trains on the kind of continuation it is measured on;
+    different files -> the measurement stays held out.
+    """
+    from flashtree.train import corpus
+
+    code, prose = [], []
+    for doc in corpus.train_documents():
+        # The suite cutters are corpus.py's own; reusing them keeps train and bench prompts alike.
+        code += [(doc.path, p) for p in dict.fromkeys(corpus._code_prompts(doc))]
+        prose += [(doc.path, p) for p in dict.fromkeys(corpus._prose_prompts(doc))]
+    rng = random.Random(seed)
+    rng.shuffle(code)
+    rng.shuffle(prose)
+    n_prose = min(len(prose), int(round(n * prose_fraction)))
+    picked = [("prose", x) for x in prose[:n_prose]] + [("code", x) for x in code[: n - n_prose]]
+    return [{"id": f"{kind}-{i:05d}", "prompt": p, "source": path} for i, (kind, (path, p)) in enumerate(picked)]
+
+
+def build_demo(cfg: DemoConfig) -> dict:
+    """Run every stage; each one resumes, so a rerun after a crash continues where it stopped."""
+    import torch
+
+    from flashtree.train.tau import EvalConfig, evaluate, table
+    from flashtree.train.features import ExtractConfig, extract
+    from flashtree.train.responses import RegenerateConfig, regenerate
+    from flashtree.train.trainer import TrainConfig, train
+
+    torch.set_num_threads(cfg.threads)
+    work = Path(cfg.work)
+    work.mkdir(parents=True, exist_ok=True)
+    if cfg.build_target:
+        from flashtree.train.pretrain import build_demo_target
+
+        print("== target", flush=True)
+        build_demo_target(cfg.target, minutes=cfg.target_minutes, threads=cfg.threads, seed=cfg.seed,
+                          plot=str(REPO / "docs" / "figures" / "demo_target_loss.png"))
+
+    print("== prompts", flush=True)
+    prompts = work / "prompts.jsonl"
+    if not prompts.is_file():
+        rows = training_prompts(cfg.prompts, cfg.prose_fraction, cfg.seed)
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    print("== regenerate", flush=True)
+    responses = work / "responses.jsonl"
+    regenerate(RegenerateConfig(prompts=str(prompts), out=str(responses), target=cfg.target,
+                                drafter=cfg.regen_drafter, method=cfg.regen_method, max_tokens=cfg.max_tokens,
+                                temperature=0.0, chunk=64, max_batch=16, dtype="float32"))
+
+    print("== extract", flush=True)
+    features = work / "features"
+    extract(ExtractConfig(data=str(responses), out=str(features), target=cfg.target, layer_ids=cfg.layer_ids,
+                          shard_size=256, batch_size=16, store_dtype="float16", dtype="float32"))
+
+    print("== train", flush=True)
+    run = work / "drafter"
+    summary = train(TrainConfig(out=str(run), data=str(features), target=cfg.target, block_size=cfg.block_size,
+                                num_layers=cfg.num_layers, max_anchors=cfg.max_anchors, batch_size=cfg.batch_size,
+                                lr=cfg.lr, steps=cfg.train_steps, minutes=cfg.train_minutes, seed=cfg.seed,
+                                threads=cfg.threads, save_dtype=cfg.save_dtype, plot=cfg.plot, dtype="float32"))
+
+    out = Path(cfg.drafter_out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(run / name, out / name)
+    recipe = {"demo": {k: v for k, v in asdict(cfg).items() if k not in ("work", "target", "drafter_out", "plot")},
+              "train": {k: summary.get(k) for k in ("steps", "train_seconds", "epochs", "final_loss",
+                                                   "final_accept_estimate", "torch", "python")}}
+
+    print("== eval", flush=True)
+    results = evaluate(EvalConfig(target=cfg.target, drafter=str(out), limit=cfg.eval_limit,
+                                  max_tokens=cfg.max_tokens, dtype="float32"))
+    recipe["tau"] = results
+    (out / "recipe.json").write_text(json.dumps(recipe, indent=2) + "\n")
+    print(table(results), flush=True)
+    return recipe
