@@ -1,0 +1,94 @@
+"""`flashtree bench`: tau, speedup and where the time goes, as a table, JSON and plots."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from flashtree.errors import FlashtreeError
+
+# --quick: about a minute on a laptop CPU with the demo pair; explicit flags still win.
+QUICK = dict(budgets=[8, 32, 128], temperatures=[0.0, 1.0], suites=["code", "prose"], max_tokens=48,
+             num_prompts=2, cost_repeats=3, cost_dense=False)
+FULL = dict(budgets=[4, 8, 16, 32, 64, 128, 256, 512, 1024], temperatures=[0.0, 1.0], suites=["code", "prose"],
+            max_tokens=128, num_prompts=10, cost_repeats=5, cost_dense=True)
+
+
+def _list(kind):
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
+
+    return parse
+
+
+def register(subparsers) -> None:
+    from flashtree.bench.suites import suite_names
+    from flashtree.cli import add_engine_args
+
+    p = subparsers.add_parser(
+        "bench", help="measure tau, speedup and where the time goes", conflict_handler="resolve",
+        description="Run methods x budgets over prompt suites and temperatures, one request at a time "
+                    "(interleaved per prompt, warmup excluded); print a Markdown table and write "
+                    "results.json, results.md and PNG plots to --out.")
+    add_engine_args(p)
+    # --methods/--budgets replace the single-engine --method/--budget (kept as aliases).
+    p.add_argument("--methods", "--method", type=_list(str), default=None, help="default ar,dflash,ddtree")
+    p.add_argument("--budgets", "--budget", type=_list(int), default=None,
+                   help="ddtree budgets (default 4,8,...,1024; --quick 8,32,128)")
+    p.add_argument("--temperatures", type=_list(float), default=None, help="default 0,1")
+    p.add_argument("--suites", type=_list(str), default=None,
+                   help=f"{', '.join(suite_names())}, or a .jsonl path (default code,prose)")
+    p.add_argument("--max-tokens", type=int, default=None, help="per request (default 128; --quick 48)")
+    p.add_argument("--num-prompts", type=int, default=None, help="per suite (default 10; --quick 2)")
+    p.add_argument("--out", default="bench-results", help="output directory (default ./bench-results)")
+    p.add_argument("--quick", action="store_true", help="a small grid that runs in about a minute")
+    p.add_argument("--warmup", type=int, default=1, help="unrecorded requests per cell and temperature")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    p.add_argument("--cost-repeats", type=int, default=None, help="timed forwards per cost-curve point")
+    p.add_argument("--cost-context", type=int, default=None,
+                   help="context length for the cost curve (default: median prompt + max_tokens/2)")
+    p.add_argument("--no-stage-sync", dest="stage_sync", action="store_false",
+                   help="on GPUs, do not synchronise between stages (faster, but stage times blur)")
+    p.add_argument("--no-plots", dest="plots", action="store_false")
+    p.set_defaults(func=bench, method=None, budget=None)
+
+
+def spec_from_args(args: argparse.Namespace):
+    from flashtree.bench.grid import BenchSpec
+    from flashtree.cli import engine_kwargs
+
+    preset = QUICK if args.quick else FULL
+    chosen = {k: getattr(args, k) for k in preset if getattr(args, k, None) is not None}
+    kw = {k: v for k, v in engine_kwargs(args).items() if k not in ("method", "budget")}
+    return BenchSpec(**kw, **{**preset, **chosen}, methods=args.methods or ["ar", "dflash", "ddtree"],
+                     warmup=args.warmup, seed=args.seed, ignore_eos=args.ignore_eos,
+                     cost_context=args.cost_context, stage_sync=args.stage_sync)
+
+
+def bench(args: argparse.Namespace) -> None:
+    from flashtree.bench.grid import run_bench
+    from flashtree.bench.report import environment, markdown_report, to_json, write_json
+
+    spec = spec_from_args(args)
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FlashtreeError(f"cannot create --out {out}: {e.strerror}") from None
+    result = run_bench(spec)
+    env = environment(result.device, result.dtype)
+    report = markdown_report(result, env)
+    print(report)
+    (out / "results.md").write_text(report + "\n")
+    write_json(to_json(result, env, sys.argv[1:]), out / "results.json")
+    written = ["results.json", "results.md"]
+    if args.plots:
+        from flashtree.bench.plots import write_plots
+
+        written += [p.name for p in write_plots(result, out)]
+    print(f"wrote {', '.join(written)} to {out}", file=sys.stderr)

@@ -1,0 +1,238 @@
+"""Run the bench grid: methods x budgets over suites x temperatures, one request at a time.
+
+The weights load once; every grid cell is its own LLMEngine (own KV caches, own method and
+budget) sharing the loaded modules (LLMEngine(share_weights=...)). Cells are interleaved per
+prompt, in an order rotated from prompt to prompt, so drift (thermal, other processes on the
+box) spreads over all methods instead of landing on whichever ran last. Every cell runs warmup
+requests first; they are not recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from flashtree.bench.cost import CostCurve, curve_sizes, measure_cost_curve
+from flashtree.bench.metrics import CellSummary, RequestRecord, compare_to_ar, match_fraction, summarize
+from flashtree.bench.suites import Prompt, load_suite
+from flashtree.config import DEMO_DRAFTER, METHODS, EngineConfig
+from flashtree.engine import LLMEngine
+from flashtree.errors import FlashtreeError
+from flashtree.sampling import SamplingParams
+
+DEFAULT_BUDGETS = [4, 8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+@dataclass
+class BenchSpec:
+    """What to measure. Engine fields mirror EngineConfig; the rest shapes the grid."""
+
+    target: str | None = None
+    drafter: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    budgets: list[int] = field(default_factory=lambda: list(DEFAULT_BUDGETS))
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    suites: list[str] = field(default_factory=lambda: ["code", "prose"])
+    max_tokens: int = 128
+    num_prompts: int = 10
+    warmup: int = 1  # unrecorded requests per cell and temperature
+    seed: int = 0
+    ignore_eos: bool = False
+    stage_sync: bool = True  # sync the device between stages so each stage owns its GPU time
+    cost_repeats: int = 5
+    cost_dense: bool = True  # 1.5x points between the powers of two
+    cost_context: int | None = None  # None: median prompt + max_tokens / 2
+
+    def validate(self) -> None:
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad or not self.methods:
+            raise FlashtreeError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
+        if "ddtree" in self.methods and not self.budgets:
+            raise FlashtreeError("ddtree needs at least one budget (--budgets 16,64)")
+        if any(not 1 <= b <= 1024 for b in self.budgets):
+            raise FlashtreeError(f"budgets must be in 1..1024, got {self.budgets}")
+        if any(t < 0 for t in self.temperatures) or not self.temperatures:
+            raise FlashtreeError(f"temperatures must be >= 0, got {self.temperatures}")
+        if self.max_tokens < 1 or self.num_prompts < 1 or self.warmup < 0 or self.cost_repeats < 1:
+            raise FlashtreeError("max_tokens, num_prompts and cost_repeats must be >= 1, warmup >= 0")
+        if not self.suites:
+            raise FlashtreeError("give at least one suite")
+
+
+@dataclass(frozen=True)
+class Cell:
+    method: str
+    budget: int | None = None  # ddtree only
+
+    @property
+    def label(self) -> str:
+        return f"ddtree-{self.budget}" if self.method == "ddtree" else self.method
+
+
+def grid_cells(methods: list[str], budgets: list[int]) -> list[Cell]:
+    """ar first (the baseline), then dflash, then ddtree by budget."""
+    cells = [Cell(m) for m in METHODS if m in methods and m != "ddtree"]
+    if "ddtree" in methods:
+        cells += [Cell("ddtree", b) for b in sorted(set(budgets))]
+    return cells
+
+
+@dataclass
+class BenchResult:
+    spec: BenchSpec
+    suites: list[str]  # short names, in order
+    cells: list[CellSummary]
+    records: dict[tuple[str, float, str], list[RequestRecord]]  # (suite, temperature, label)
+    cost: CostCurve
+    block_size: int
+    prompt_tokens: dict[str, list[int]]  # suite -> prompt lengths
+    device: str
+    dtype: str
+    seconds: float
+    load_average_start: list[float] | None = None  # 1/5/15-min load when the run began (shared boxes)
+
+
+def _engine_config(spec: BenchSpec, method: str, budget: int | None, max_model_len: int | None) -> EngineConfig:
+    return EngineConfig(target=spec.target, drafter=spec.drafter, method=method, budget=budget or 64,
+                        device=spec.device, dtype=spec.dtype, max_batch=1, max_model_len=max_model_len,
+                        stage_timing=spec.stage_sync)
+
+
+def encode_prompt(engine: LLMEngine, prompt: Prompt) -> list[int]:
+    """Token ids as the engine would see them; instructions go through the chat template if any."""
+    if prompt.token_ids is not None:
+        return engine.encode(prompt.token_ids)
+    tok = engine.tokenizer
+    if prompt.chat and tok is not None and getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": "user", "content": prompt.text}], tokenize=False,
+                                       add_generation_prompt=True)
+        return engine.encode(text)
+    return engine.encode(prompt.text)
+
+
+def run_request(engine: LLMEngine, prompt_id: str, ids: list[int], params: SamplingParams) -> RequestRecord:
+    req = engine.add_request(ids, params)
+    while not req.finished:
+        engine.step()
+    s = req.stats
+    return RequestRecord(prompt_id, len(ids), len(req.output_ids), s.wall_seconds, list(s.accept_lengths),
+                         dict(s.stage_seconds), req.finish_reason or "", list(req.output_ids))
+
+
+def run_bench(spec: BenchSpec, progress: bool = True) -> BenchResult:
+    spec.validate()
+    t_start = time.perf_counter()
+    load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    # Suites load first so a bad name fails before the weights load; they are keyed by short name
+    # (a .jsonl path becomes its stem).
+    prompts: dict[str, list[Prompt]] = {}
+    for name in dict.fromkeys(spec.suites):
+        ps = load_suite(name, spec.num_prompts)
+        if ps[0].suite in prompts:
+            raise FlashtreeError(f"two suites are both called {ps[0].suite!r}; rename one of the files")
+        prompts[ps[0].suite] = ps
+    suites = list(prompts)
+    cells = grid_cells(spec.methods, spec.budgets)
+    drafting = any(c.method != "ar" for c in cells)
+    if drafting and spec.target is None and spec.drafter is None and not DEMO_DRAFTER.is_dir():
+        raise FlashtreeError(f"the demo drafter is not there yet ({DEMO_DRAFTER}); pass --drafter, "
+                             "or measure the target alone with --methods ar")
+    base = LLMEngine(_engine_config(spec, "ddtree" if drafting else "ar", max(spec.budgets, default=64), None))
+    limit = base.config.max_model_len
+    room = limit - spec.max_tokens - 1
+    if room < 1:
+        raise FlashtreeError(f"--max-tokens {spec.max_tokens} leaves no room for a prompt in {limit} positions")
+    # Over-long prompts keep their tail: the continuation is what the bench is about.
+    ids = {s: [encode_prompt(base, p)[-room:] for p in ps] for s, ps in prompts.items()}
+    need = max(len(x) for xs in ids.values() for x in xs) + spec.max_tokens + 1
+    engines = {c: LLMEngine(_engine_config(spec, c.method, c.budget, min(need, limit)), share_weights=base)
+               for c in cells}
+    target, drafter = base.target, base.drafter
+    device, dtype = str(base.device), str(base.dtype).removeprefix("torch.")
+    block_size = drafter.block_size if drafter is not None else 1
+    del base  # its caches were sized for the longest context; the cells' are sized to the run
+
+    first = ids[suites[0]][0]
+    bar = tqdm(total=len(cells) * len(spec.temperatures) * (spec.warmup + sum(map(len, ids.values()))),
+               desc="bench", unit="req", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    for cell, engine in engines.items():
+        for t in spec.temperatures:
+            for _ in range(spec.warmup):
+                bar.set_postfix_str(f"warmup {cell.label}", refresh=False)
+                run_request(engine, "warmup", first, SamplingParams(temperature=t, max_tokens=min(16, spec.max_tokens),
+                                                                      seed=spec.seed))
+                bar.update(1)
+
+    records: dict[tuple[str, float, str], list[RequestRecord]] = {}
+    for t in spec.temperatures:
+        for suite in suites:
+            for i, (prompt, x) in enumerate(zip(prompts[suite], ids[suite])):
+                params = SamplingParams(temperature=t, max_tokens=spec.max_tokens, seed=spec.seed + i,
+                                        ignore_eos=spec.ignore_eos)
+                k = i % len(cells)
+                for cell in cells[k:] + cells[:k]:
+                    bar.set_postfix_str(f"T={t:g} {suite} {cell.label}", refresh=False)
+                    rec = run_request(engines[cell], prompt.id, x, params)
+                    records.setdefault((suite, t, cell.label), []).append(rec)
+                    bar.update(1)
+    bar.close()
+
+    lengths = [len(x) for xs in ids.values() for x in xs]
+    max_nodes = max([c.budget + 1 for c in cells if c.method == "ddtree"] + [block_size])
+    context = spec.cost_context or int(statistics.median(lengths)) + spec.max_tokens // 2
+    context = max(1, min(context, limit - max_nodes))
+    tree_sizes = curve_sizes(max_nodes, [c.budget for c in cells if c.budget is not None], spec.cost_dense)
+    chain_sizes = sorted({1} | ({block_size} if any(c.method == "dflash" for c in cells) else set()))
+    cbar = tqdm(total=(len(tree_sizes) + len(chain_sizes)) * spec.cost_repeats, desc="cost curve", unit="fwd",
+                file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    cost = measure_cost_curve(target, drafter, tree_sizes, chain_sizes, context, spec.temperatures,
+                              spec.cost_repeats, progress=lambda: cbar.update(1))
+    cbar.close()
+
+    summaries = summarize_all(suites, spec.temperatures, cells, records, block_size)
+    compare_to_ar(summaries, cost.verify_ms)
+    return BenchResult(spec, suites, summaries, records, cost, block_size,
+                       {s: [len(x) for x in xs] for s, xs in ids.items()}, device, dtype,
+                       time.perf_counter() - t_start, load_start)
+
+
+def tree_nodes(cell: Cell, block_size: int) -> int:
+    """Nodes the target verifies per round: the root alone, the DFlash block, or budget + root."""
+    return {"ar": 1, "dflash": block_size}.get(cell.method, (cell.budget or 0) + 1)
+
+
+def summarize_all(suites: list[str], temperatures: list[float], cells: list[Cell], records: dict,
+                  block_size: int) -> list[CellSummary]:
+    """One summary per (suite, temperature, cell); with several suites, also suite "all" (pooled)."""
+    out = []
+    for t in temperatures:
+        for suite in suites + (["all"] if len(suites) > 1 else []):
+            for cell in cells:
+                if suite == "all":
+                    recs = [r for s in suites for r in records[(s, t, cell.label)]]
+                    ar = [r for s in suites for r in records.get((s, t, "ar"), [])]
+                else:
+                    recs = records[(suite, t, cell.label)]
+                    ar = records.get((suite, t, "ar"), [])
+                c = summarize(suite, t, cell.method, cell.budget, tree_nodes(cell, block_size), recs, block_size)
+                if t == 0 and ar and cell.method != "ar":
+                    c.matches_ar = match_fraction(recs, ar) if suite != "all" else _pooled_match(suites, t, cell, records)
+                out.append(c)
+    return out
+
+
+def _pooled_match(suites: list[str], t: float, cell: Cell, records: dict) -> float:
+    """Prompt ids may repeat across suites, so pool the per-suite matches."""
+    hits = total = 0
+    for s in suites:
+        recs = records[(s, t, cell.label)]
+        hits += match_fraction(recs, records[(s, t, "ar")]) * len(recs)
+        total += len(recs)
+    return hits / max(1, total)

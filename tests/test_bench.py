@@ -1,0 +1,235 @@
+"""flashtree bench: the metric arithmetic on a hand-made run, the cost curve, suites, and the command end to end.
+
+No timing assertions: only shapes, counts and arithmetic that hold on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from flashtree.bench import metrics as m
+from flashtree.bench.cost import CostCurve, CostPoint, curve_sizes, measure_cost_curve, random_tree
+from flashtree.bench.suites import STANDARD, HubSuite, load_suite, read_jsonl
+from flashtree.cli import main
+from flashtree.config import DEMO_DRAFTER, DEMO_TARGET
+from flashtree.errors import FlashtreeError
+from tiny import make_drafter, make_target
+
+PNGS = ("speedup", "tau", "accept_hist", "cost_curve", "stages")
+
+
+def rec(pid: str, lengths: list[int], wall: float, stages: dict[str, float], out: list[int] | None = None):
+    return m.RequestRecord(pid, 10, sum(lengths), wall, lengths, stages, "length", out or [])
+
+
+# ---- metric arithmetic on a fake run -------------------------------------------------------------
+
+A = rec("p0", [1, 3, 2], 1.0, {"prefill": 0.1, "draft": 0.3, "tree": 0.06, "verify": 0.3, "commit": 0.06}, [5, 6])
+B = rec("p1", [4], 1.0, {"prefill": 0.1, "draft": 0.1, "tree": 0.02, "verify": 0.1, "commit": 0.02}, [7])
+
+
+def test_tau_throughput_and_stage_split():
+    assert m.tau([A, B]) == pytest.approx(10 / 4)  # round-weighted: (1+3+2+4) / 4 rounds
+    assert m.tokens_per_second([A, B]) == pytest.approx(10 / 2.0)
+    per_round = m.stage_seconds_per_round([A, B])
+    assert per_round == pytest.approx({"draft": 0.1, "tree": 0.02, "verify": 0.1, "commit": 0.02})
+    assert m.round_seconds(per_round) == pytest.approx(0.24)
+    assert m.overhead_share(per_round) == pytest.approx(0.04 / 0.24)
+    # wall 2.0, inside prefill + stages = 0.2 + 0.96 -> 0.84 outside
+    assert m.outside_rounds_share([A, B]) == pytest.approx(0.84 / 2.0)
+    assert m.tau([]) == 0.0 and m.overhead_share(dict.fromkeys(m.ROUND_STAGES, 0.0)) == 0.0
+
+
+def test_accept_histogram():
+    assert m.accept_histogram([A, B], max_len=6) == [1, 1, 1, 1, 0, 0]
+    assert m.accept_histogram([A, B]) == [1, 1, 1, 1]  # grows to the longest seen
+    assert m.fractions([1, 1, 2, 0]) == [0.25, 0.25, 0.5, 0.0]
+
+
+def test_speedups_by_hand():
+    assert m.speedup(30.0, 12.0) == pytest.approx(2.5)
+    assert m.speedup(1.0, 0.0) is None
+    # tau 2.5, T_ar 10 ms, draft 2 + verify 12 + overhead 1 = 15 ms -> 2.5 * 10 / 15
+    assert m.predicted_speedup(2.5, 10.0, 2.0, 12.0, 1.0) == pytest.approx(5 / 3)
+    # decode: 2.5 tokens / 15 ms vs 1 token / 10 ms
+    assert m.decode_speedup(2.5, 15.0, 10.0) == pytest.approx(5 / 3)
+
+
+def test_interpolate_cost_curve():
+    pts = [(1, 1.0), (3, 2.0), (9, 8.0)]
+    assert m.interpolate(pts, 1) == 1.0
+    assert m.interpolate(pts, 2) == pytest.approx(1.5)
+    assert m.interpolate(pts, 5) == pytest.approx(4.0)
+    assert m.interpolate(pts, 0) == 1.0 and m.interpolate(pts, 100) == 8.0
+
+
+def test_summaries_compare_to_ar():
+    ar = [rec("p0", [1] * 10, 1.0, {"prefill": 0.1, "draft": 0.0, "tree": 0.0, "verify": 0.08, "commit": 0.02}, [1])]
+    tree = [rec("p0", [4, 4, 2], 0.5, {"prefill": 0.1, "draft": 0.06, "tree": 0.03, "verify": 0.18, "commit": 0.03}, [1])]
+    cells = [m.summarize("s", 0.0, "ar", None, 1, ar, 8), m.summarize("s", 0.0, "ddtree", 16, 17, tree, 8)]
+    # The curve: 1 node 8 ms, 17 nodes 50 ms.
+    m.compare_to_ar(cells, lambda method, nodes, t: {1: 8.0, 17: 50.0}[nodes])
+    a, d = cells
+    assert a.round_ms == pytest.approx(10.0) and d.round_ms == pytest.approx(100.0)
+    assert d.tau == pytest.approx(10 / 3)
+    assert d.stage_ms_per_round == pytest.approx({"draft": 20.0, "tree": 10.0, "verify": 60.0, "commit": 10.0})
+    assert d.overhead_share == pytest.approx(0.2)
+    assert d.speedup == pytest.approx((10 / 0.5) / (10 / 1.0))
+    assert d.decode_speedup == pytest.approx((10 / 3 / 100.0) / (1 / 10.0))
+    # T_ar_step = curve(1) + ar commit = 8 + 2; denominator = draft 20 + curve(17) 50 + overhead 20
+    assert d.predicted_verify_ms == 50.0
+    assert d.predicted_speedup == pytest.approx((10 / 3) * 10.0 / 90.0)
+    assert a.predicted_speedup == pytest.approx(1.0) and a.speedup == pytest.approx(1.0)
+    assert d.accept_counts == [0, 1, 0, 2, 0, 0, 0, 0] and d.label == "ddtree-16"
+
+
+def test_match_fraction():
+    ref = [rec("a", [1], 1, {}, [1, 2]), rec("b", [1], 1, {}, [3])]
+    mine = [rec("b", [1], 1, {}, [3]), rec("a", [1], 1, {}, [1, 9])]
+    assert m.match_fraction(mine, ref) == 0.5
+
+
+# ---- cost curve ----------------------------------------------------------------------------------
+
+def test_curve_sizes_cover_budgets():
+    sizes = curve_sizes(65, [4, 16, 64], dense=False)
+    assert sizes[0] == 1 and sizes[-1] == 65 and {5, 17, 65} <= set(sizes)
+    assert set(curve_sizes(65, [], dense=True)) >= {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 65}
+
+
+def test_cost_point_lookup():
+    curve = CostCurve(100, 3, 7, tree=[CostPoint(1, 1.0, 1.0, {"0.0": 0.1}), CostPoint(9, 3.0, 3.0, {"0.0": 0.3})],
+                      chain=[CostPoint(1, 0.5, 0.5, {"0.0": 0.0}), CostPoint(8, 0.9, 0.9, {"0.0": 0.0})])
+    assert curve.verify_ms("ddtree", 5) == pytest.approx(2.2)
+    assert curve.verify_ms("dflash", 8) == pytest.approx(0.9)
+    assert curve.verify_ms("ar", 1) == pytest.approx(0.5)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    target = make_target(root / "target", logit_scale=4.0)
+    drafter = make_drafter(root / "drafter", target_layers=4, block_size=8)
+    return target, drafter
+
+
+def test_cost_curve_measures_requested_sizes(pair):
+    from flashtree import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(target=str(pair[0]), drafter=str(pair[1]), method="ddtree", max_batch=1,
+                                    max_model_len=64))
+    for n in (1, 2, 9, 33):
+        spec = random_tree(n, 7, engine.target.vocab_size, engine.device, torch.Generator().manual_seed(n))
+        assert int(spec.sizes[0]) == n == spec.num_nodes
+    curve = measure_cost_curve(engine.target, engine.drafter, [1, 5, 17], [1, 8], 20, [0.0, 1.0], repeats=2,
+                               warmup=1)
+    assert [p.nodes for p in curve.tree] == [1, 5, 17] and [p.nodes for p in curve.chain] == [1, 8]
+    assert curve.depth == 7 and curve.context_len == 20
+    for p in curve.tree + curve.chain:
+        assert p.forward_ms > 0 and set(p.pick_ms) == {"0.0", "1.0"}
+        assert p.forward_ms <= p.forward_median_ms
+
+
+# ---- suites --------------------------------------------------------------------------------------
+
+def test_builtin_suites_load():
+    for name in ("code", "prose"):
+        prompts = load_suite(name, 5)
+        assert len(prompts) == 5 and all(p.text and p.suite == name and not p.chat for p in prompts)
+    assert len(load_suite("code")) == 40
+
+
+def test_jsonl_suite(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt_ids": [1, 2, 3]}\n\n{"id": "x", "prompt": "hello", "chat": true}\n')
+    a, b = read_jsonl(path, "mine")
+    assert a.token_ids == [1, 2, 3] and a.id == "mine-000" and b.text == "hello" and b.chat and b.id == "x"
+    assert len(load_suite(str(path), 1)) == 1
+    path.write_text('{"nope": 1}\n')
+    with pytest.raises(FlashtreeError, match="needs a 'prompt'"):
+        load_suite(str(path))
+    with pytest.raises(FlashtreeError, match="unknown suite"):
+        load_suite("no-such-suite")
+
+
+def test_standard_suite_without_datasets(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(FlashtreeError, match="pip install datasets"):
+        load_suite("gsm8k", 2)
+
+
+def test_standard_suite_offline_fails_in_one_line(monkeypatch):
+    pytest.importorskip("datasets")
+    import flashtree.bench.suites as suites
+
+    monkeypatch.setattr(suites, "hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setitem(STANDARD, "gsm8k", HubSuite("flashtree-tests/not-a-dataset", None, "test", lambda r: ""))
+    with pytest.raises(FlashtreeError, match="could not load suite 'gsm8k'") as e:
+        load_suite("gsm8k", 2)
+    assert "\n" not in str(e.value)
+
+
+# ---- the command end to end ----------------------------------------------------------------------
+
+def check_outputs(out, methods: set[str]) -> dict:
+    data = json.loads((out / "results.json").read_text())
+    assert {c["method"] for c in data["cells"]} == methods
+    env = data["environment"]
+    assert env["torch"] == torch.__version__ and env["device"] and env["dtype"] and env["torch_threads"] >= 1
+    for c in data["cells"]:
+        assert c["rounds"] > 0 and c["tau"] >= 1.0 and c["tokens_per_s"] > 0
+        assert sum(c["accept_counts"]) == c["rounds"]
+        if c["method"] == "ar":
+            assert c["tau"] == 1.0 and c["speedup"] == pytest.approx(1.0)
+        if c["temperature"] == 0 and c["method"] != "ar":
+            assert c["matches_ar"] == 1.0  # greedy speculative decoding is lossless
+    # The reported tau is the pooled per-request accept lengths.
+    cell = next(c for c in data["cells"] if c["method"] == "ddtree")
+    reqs = [r for r in data["requests"] if r["suite"] == cell["suite"] and r["cell"] == cell["label"]
+            and r["temperature"] == cell["temperature"]]
+    lengths = [a for r in reqs for a in r["accept_lengths"]]
+    assert cell["tau"] == pytest.approx(sum(lengths) / len(lengths))
+    assert data["cost_curve"]["tree"][0]["nodes"] == 1
+    for name in PNGS:
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "results.md").read_text().startswith("flashtree bench")
+    return data
+
+
+def test_bench_command_on_tiny_pair(pair, tmp_path, capsys):
+    prompts = tmp_path / "ids.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [3 + i, 7, 11, 2 * i]}) + "\n" for i in range(3)))
+    out = tmp_path / "out"
+    rc = main(["bench", "--target", str(pair[0]), "--drafter", str(pair[1]), "--quick", "--suites",
+               str(prompts), "--budgets", "4,16", "--num-prompts", "2",
+               "--max-tokens", "12", "--out", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "| suite | T | method |" in table and "ddtree" in table
+    data = check_outputs(out, {"ar", "dflash", "ddtree"})
+    assert data["spec"]["budgets"] == [4, 16] and data["spec"]["temperatures"] == [0.0, 1.0]
+    assert len(data["cells"]) == 2 * 4  # 2 temperatures x (ar, dflash, ddtree-4, ddtree-16)
+
+
+def test_bench_command_rejects_bad_input(pair, tmp_path, capsys):
+    base = ["bench", "--target", str(pair[0]), "--drafter", str(pair[1]), "--out", str(tmp_path)]
+    assert main(base + ["--methods", "ar,beam"]) == 2
+    assert main(base + ["--suites", "nope"]) == 2
+    assert main(base + ["--budgets", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("flashtree: error:") == 3 and "Traceback" not in err
+
+
+DEMO_READY = (DEMO_TARGET / "config.json").is_file() and (DEMO_DRAFTER / "config.json").is_file()
+
+
+@pytest.mark.skipif(not DEMO_READY, reason="the demo pair is not trained yet (flashtree/assets/demo/{target,drafter})")
+def test_bench_quick_on_demo_pair(tmp_path):
+    out = tmp_path / "quick"
+    assert main(["bench", "--quick", "--out", str(out)]) == 0
+    data = check_outputs(out, {"ar", "dflash", "ddtree"})
+    assert {c["suite"] for c in data["cells"]} == {"code", "prose", "all"}
