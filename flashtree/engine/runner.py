@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from flashtree.cache import CacheView
 from flashtree.config import EngineConfig
 from flashtree.engine.sequence import Request
 from flashtree.models.dflash import DFlashDrafter
@@ -80,10 +81,13 @@ class ModelRunner:
         """One round for every request in `reqs`; returns each one's emitted tokens."""
         self.clock.seconds = {}
         slots = [r.slot for r in reqs]
+        # Host-to-device copies (roots, cache starts) happen here, before any kernel is queued,
+        # so they never wait on the device mid-round.
         roots = torch.tensor([r.bonus for r in reqs], device=self.device)
-        spec = self.draft(reqs, slots, roots)
+        view = self.cache.view(slots)
+        draft_view = self.draft_cache.view(slots) if self.drafter is not None else None
+        spec = self.draft(draft_view, roots)
         with self.clock.stage("verify"):
-            view = self.cache.view(slots)
             positions = view.starts[:, None] + spec.depths
             out = self.target(spec.tokens.clamp(min=0), positions, view, spec, self.feature_layers)
             picks = pick_tokens(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
@@ -95,23 +99,22 @@ class ModelRunner:
         if self.drafter is not None:
             # Projecting the accepted nodes' features into drafter K/V is drafter model work.
             with self.clock.stage("draft"):
-                feats = gather_nodes(out.features, walk.path)
-                self.drafter.add_context(self.draft_cache.view(slots), feats, counts)
+                self.drafter.add_context(draft_view, gather_nodes(out.features, walk.path), counts)
         emitted = [row[1 : 1 + row[0]] for row in host]
         return emitted, dict(self.clock.seconds)
 
-    def draft(self, reqs: list[Request], slots: list[int], roots: Tensor) -> TreeSpec:
+    def draft(self, view: CacheView | None, roots: Tensor) -> TreeSpec:
         if self.drafter is None:
             return chain_spec(roots[:, None])
         with self.clock.stage("draft"):
-            block = torch.full((len(reqs), self.block_size), self.drafter.args.mask_token_id, device=self.device)
+            block = torch.full((roots.shape[0], self.block_size), self.drafter.args.mask_token_id, device=self.device)
             block[:, 0] = roots
-            hidden = self.drafter(self.target.embed_tokens(block), self.draft_cache.view(slots))
+            hidden = self.drafter(self.target.embed_tokens(block), view)
             logits = self.target.lm_head(hidden[:, 1:])
         with self.clock.stage("tree"):
             if self.method == "dflash":
                 return build_chain(roots, logits)
-            return build_tree(roots, logits, self.budgets(len(reqs)))
+            return build_tree(roots, logits, self.budgets(roots.shape[0]))
 
 
 def gather_nodes(x: Tensor, path: Tensor) -> Tensor:
