@@ -83,7 +83,8 @@ def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], tied: bool 
     if tied:
         own.pop("lm_head.weight", None)
     missing = sorted(set(own) - set(state))
-    unexpected = sorted(k for k in set(state) - set(own) if not k.startswith("mtp."))
+    # Multi-token-prediction heads and the vision tower of multimodal checkpoints are not ours to run.
+    unexpected = sorted(k for k in set(state) - set(own) if not k.startswith(("mtp.", "visual.")))
     if missing or unexpected:
         raise FlashtreeError(
             f"checkpoint does not match the {type(model).__name__} architecture: "
@@ -138,7 +139,7 @@ def build_target(cfg: dict) -> nn.Module:
         from flashtree.models.transformer import Transformer, TransformerArgs
 
         return Transformer(TransformerArgs.from_hf(cfg))
-    if model_type in ("qwen3_5", "qwen3_5_text", "qwen3_next"):
+    if model_type in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"):
         from flashtree.models.qwen3_5 import Qwen35, Qwen35Args
 
         return Qwen35(Qwen35Args.from_hf(cfg))
