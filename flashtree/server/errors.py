@@ -60,17 +60,18 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         reason = (first.get("ctx") or {}).get("error", "not valid JSON")
         return f"malformed JSON body: {reason}", None
-    if tuple(first.get("loc", ())) == ("body",) and first.get("type") != "unsupported":
+    if tuple(first.get("loc", ())) == ("body",):
         if first.get("type") == "missing":
             return "the request body is missing; send a JSON object", None
-        return f"the request body must be a JSON object ({first.get('msg', 'wrong type')})", None
+        if first.get("type") in ("model_attributes_type", "model_type", "dict_type"):
+            return "the request body must be a JSON object", None
     specific = [e for e in errors if not e.get("type", "").endswith("_type")] or errors
     err = specific[0]
     ctx = err.get("ctx") or {}
     if err.get("type") == "unsupported":
         return err["msg"], ctx.get("field")
     param = param_path(tuple(err.get("loc", ())))
-    msg = err.get("msg", "invalid value")
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     if err.get("type") == "extra_forbidden":
         msg = "unknown field; see the API schema at /docs for the supported ones"
     return (f"{param}: {msg}" if param else msg), param

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from flashtree.sampling import SamplingParams
@@ -43,6 +43,19 @@ UNSUPPORTED: dict[str, tuple] = {
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def _integral(value):
+    """JSON has one number type: 3.0 is a valid JSON Schema integer, 3.5 and "3" are not."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+# Bounds go before the validator and inside the Annotated, so the JSON schema states them as
+# minimum/maximum within each union arm (the fuzz test generates requests from that schema).
+TokenCount = Annotated[int, Field(ge=1, le=1_000_000), BeforeValidator(_integral)]
+TokenId = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
+Seed = Annotated[int, Field(ge=-INT64, lt=INT64), BeforeValidator(_integral)]
+TopK = Annotated[int, Field(ge=-1, le=1_000_000), BeforeValidator(_integral)]
 
 
 class Strict(BaseModel):
@@ -77,10 +90,10 @@ class SamplingFields(Strict):
     model: str | None = Field(None, description="the served model name (see /v1/models); optional")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, le=1_000_000, description="0 or -1 = off (extension)")
-    max_tokens: int | None = Field(None, ge=1, le=1_000_000, description="capped by the context left after the prompt")
+    top_k: TopK = Field(0, description="0 or -1 = off (extension)")
+    max_tokens: TokenCount | None = Field(None, description="capped by the context left after the prompt")
     stop: Stop | list[Stop] | None = Field(None, description=f"up to {MAX_STOP} stop strings")
-    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -102,9 +115,9 @@ class SamplingFields(Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] = Field(
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] = Field(
         ..., description="one prompt: text, or a list of token ids (batched prompts are not supported)")
-    max_tokens: int | None = Field(16, ge=1, le=1_000_000, description="OpenAI's default is 16")
+    max_tokens: TokenCount | None = Field(16, description="OpenAI's default is 16")
 
 
 class TextPart(Strict):
@@ -125,7 +138,7 @@ class ChatMessage(Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000, description="newer name for max_tokens")
+    max_completion_tokens: TokenCount | None = Field(None, description="newer name for max_tokens")
 
     @model_validator(mode="after")
     def _one_limit(self):
