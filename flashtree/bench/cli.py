@@ -44,7 +44,7 @@ def register(subparsers) -> None:
                    help=f"{', '.join(suite_names())}, or a .jsonl path (default code,prose)")
     p.add_argument("--max-tokens", type=int, default=None, help="per request (default 128; --quick 48)")
     p.add_argument("--num-prompts", type=int, default=None, help="per suite (default 10; --quick 2)")
-    p.add_argument("--out", default="bench-results", help="output directory (default ./bench-results)")
+    p.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
     p.add_argument("--quick", action="store_true", help="a small grid that runs in about a minute")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded requests per cell and temperature")
     p.add_argument("--seed", type=int, default=0)

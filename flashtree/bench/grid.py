@@ -126,20 +126,29 @@ def run_request(engine: LLMEngine, prompt_id: str, ids: list[int], params: Sampl
                          dict(s.stage_seconds), req.finish_reason or "", list(req.output_ids))
 
 
-def run_bench(spec: BenchSpec, progress: bool = True) -> BenchResult:
-    spec.validate()
-    t_start = time.perf_counter()
-    load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    # Suites load first so a bad name fails before the weights load; they are keyed by short name
-    # (a .jsonl path becomes its stem).
+def load_prompts(spec: BenchSpec) -> dict[str, list[Prompt]]:
+    """Suites keyed by short name (a .jsonl path becomes its stem); loaded before any weights,
+    so a bad suite fails fast."""
     prompts: dict[str, list[Prompt]] = {}
     for name in dict.fromkeys(spec.suites):
         ps = load_suite(name, spec.num_prompts)
         if ps[0].suite in prompts:
             raise FlashtreeError(f"two suites are both called {ps[0].suite!r}; rename one of the files")
         prompts[ps[0].suite] = ps
-    suites = list(prompts)
-    cells = grid_cells(spec.methods, spec.budgets)
+    return prompts
+
+
+@dataclass
+class Loaded:
+    engines: dict[Cell, LLMEngine]
+    ids: dict[str, list[list[int]]]  # suite -> prompt token ids (tail-truncated to fit)
+    target: object
+    drafter: object
+    limit: int  # the target's usable context
+
+
+def build_engines(spec: BenchSpec, cells: list[Cell], prompts: dict[str, list[Prompt]]) -> Loaded:
+    """Load the weights once, tokenise, then one engine per cell sized to the run's longest request."""
     drafting = any(c.method != "ar" for c in cells)
     if drafting and spec.target is None and spec.drafter is None and not DEMO_DRAFTER.is_dir():
         raise FlashtreeError(f"the demo drafter is not there yet ({DEMO_DRAFTER}); pass --drafter, "
@@ -151,29 +160,29 @@ def run_bench(spec: BenchSpec, progress: bool = True) -> BenchResult:
         raise FlashtreeError(f"--max-tokens {spec.max_tokens} leaves no room for a prompt in {limit} positions")
     # Over-long prompts keep their tail: the continuation is what the bench is about.
     ids = {s: [encode_prompt(base, p)[-room:] for p in ps] for s, ps in prompts.items()}
-    need = max(len(x) for xs in ids.values() for x in xs) + spec.max_tokens + 1
-    engines = {c: LLMEngine(_engine_config(spec, c.method, c.budget, min(need, limit)), share_weights=base)
-               for c in cells}
-    target, drafter = base.target, base.drafter
-    device, dtype = str(base.device), str(base.dtype).removeprefix("torch.")
-    block_size = drafter.block_size if drafter is not None else 1
-    del base  # its caches were sized for the longest context; the cells' are sized to the run
+    need = min(limit, max(len(x) for xs in ids.values() for x in xs) + spec.max_tokens + 1)
+    engines = {c: LLMEngine(_engine_config(spec, c.method, c.budget, need), share_weights=base) for c in cells}
+    return Loaded(engines, ids, base.target, base.drafter, limit)
 
-    first = ids[suites[0]][0]
+
+def measure_grid(spec: BenchSpec, cells: list[Cell], prompts: dict[str, list[Prompt]], loaded: Loaded,
+                 progress: bool) -> dict[tuple[str, float, str], list[RequestRecord]]:
+    """Warm every cell up, then run each prompt through every cell (order rotated per prompt)."""
+    ids, engines = loaded.ids, loaded.engines
+    first = next(iter(ids.values()))[0]
     bar = tqdm(total=len(cells) * len(spec.temperatures) * (spec.warmup + sum(map(len, ids.values()))),
                desc="bench", unit="req", file=sys.stderr, disable=not progress, dynamic_ncols=True)
     for cell, engine in engines.items():
         for t in spec.temperatures:
             for _ in range(spec.warmup):
                 bar.set_postfix_str(f"warmup {cell.label}", refresh=False)
-                run_request(engine, "warmup", first, SamplingParams(temperature=t, max_tokens=min(16, spec.max_tokens),
-                                                                      seed=spec.seed))
+                warm = SamplingParams(temperature=t, max_tokens=min(16, spec.max_tokens), seed=spec.seed)
+                run_request(engine, "warmup", first, warm)
                 bar.update(1)
-
     records: dict[tuple[str, float, str], list[RequestRecord]] = {}
     for t in spec.temperatures:
-        for suite in suites:
-            for i, (prompt, x) in enumerate(zip(prompts[suite], ids[suite])):
+        for suite, ps in prompts.items():
+            for i, (prompt, x) in enumerate(zip(ps, ids[suite])):
                 params = SamplingParams(temperature=t, max_tokens=spec.max_tokens, seed=spec.seed + i,
                                         ignore_eos=spec.ignore_eos)
                 k = i % len(cells)
@@ -183,24 +192,44 @@ def run_bench(spec: BenchSpec, progress: bool = True) -> BenchResult:
                     records.setdefault((suite, t, cell.label), []).append(rec)
                     bar.update(1)
     bar.close()
+    return records
 
-    lengths = [len(x) for xs in ids.values() for x in xs]
-    max_nodes = max([c.budget + 1 for c in cells if c.method == "ddtree"] + [block_size])
+
+def measure_cost(spec: BenchSpec, cells: list[Cell], loaded: Loaded, block_size: int, progress: bool) -> CostCurve:
+    """The verify cost curve at the run's typical context (median prompt + half the output)."""
+    lengths = [len(x) for xs in loaded.ids.values() for x in xs]
+    # Spans every requested budget even when ddtree is not run: an ar-only run still shows
+    # what trees would cost.
+    max_nodes = max([b + 1 for b in spec.budgets] + [block_size])
     context = spec.cost_context or int(statistics.median(lengths)) + spec.max_tokens // 2
-    context = max(1, min(context, limit - max_nodes))
-    tree_sizes = curve_sizes(max_nodes, [c.budget for c in cells if c.budget is not None], spec.cost_dense)
+    context = max(1, min(context, loaded.limit - max_nodes))
+    tree_sizes = curve_sizes(max_nodes, spec.budgets, spec.cost_dense)
     chain_sizes = sorted({1} | ({block_size} if any(c.method == "dflash" for c in cells) else set()))
-    cbar = tqdm(total=(len(tree_sizes) + len(chain_sizes)) * spec.cost_repeats, desc="cost curve", unit="fwd",
-                file=sys.stderr, disable=not progress, dynamic_ncols=True)
-    cost = measure_cost_curve(target, drafter, tree_sizes, chain_sizes, context, spec.temperatures,
-                              spec.cost_repeats, progress=lambda: cbar.update(1))
-    cbar.close()
+    bar = tqdm(total=(len(tree_sizes) + len(chain_sizes)) * spec.cost_repeats, desc="cost curve", unit="fwd",
+               file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    cost = measure_cost_curve(loaded.target, loaded.drafter, tree_sizes, chain_sizes, context, spec.temperatures,
+                              spec.cost_repeats, progress=lambda: bar.update(1))
+    bar.close()
+    return cost
 
+
+def run_bench(spec: BenchSpec, progress: bool = True) -> BenchResult:
+    spec.validate()
+    t_start = time.perf_counter()
+    load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    prompts = load_prompts(spec)
+    cells = grid_cells(spec.methods, spec.budgets)
+    loaded = build_engines(spec, cells, prompts)
+    block_size = loaded.drafter.block_size if loaded.drafter is not None else 1
+    records = measure_grid(spec, cells, prompts, loaded, progress)
+    cost = measure_cost(spec, cells, loaded, block_size, progress)
+    suites = list(prompts)
     summaries = summarize_all(suites, spec.temperatures, cells, records, block_size)
     compare_to_ar(summaries, cost.verify_ms)
+    engine = next(iter(loaded.engines.values()))
     return BenchResult(spec, suites, summaries, records, cost, block_size,
-                       {s: [len(x) for x in xs] for s, xs in ids.items()}, device, dtype,
-                       time.perf_counter() - t_start, load_start)
+                       {s: [len(x) for x in xs] for s, xs in loaded.ids.items()}, str(engine.device),
+                       str(engine.dtype).removeprefix("torch."), time.perf_counter() - t_start, load_start)
 
 
 def tree_nodes(cell: Cell, block_size: int) -> int:
