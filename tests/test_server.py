@@ -113,7 +113,8 @@ def test_health_models_metrics(server, model):
     text = httpx.get(f"{url}/metrics").text
     for name in ["flashtree_requests_total", "flashtree_prompt_tokens_total", "flashtree_generation_tokens_total",
                  "flashtree_accept_length_bucket", "flashtree_round_seconds_bucket", "flashtree_batch_size",
-                 "flashtree_requests_waiting", "flashtree_requests_running"]:
+                 "flashtree_requests_waiting", "flashtree_requests_running",
+                 "flashtree_time_to_first_token_seconds_bucket", "flashtree_request_seconds_bucket"]:
         assert name in text
 
 
@@ -186,8 +187,12 @@ def test_sixteen_concurrent_requests_equal_their_single_runs(server, model):
             return await asyncio.gather(*[http.post(f"{url}/v1/completions", json=c) for c in cases])
 
     rounds0 = metric(url, "flashtree_round_seconds_count")
+    generated0, prompted0 = metric(url, "flashtree_generation_tokens_total"), metric(url, "flashtree_prompt_tokens_total")
     batched = [r.json() for r in asyncio.run(together())]
     rounds_batched = metric(url, "flashtree_round_seconds_count") - rounds0
+    generated = metric(url, "flashtree_generation_tokens_total") - generated0
+    assert generated == sum(b["usage"]["completion_tokens"] for b in batched)
+    assert metric(url, "flashtree_prompt_tokens_total") - prompted0 == sum(b["usage"]["prompt_tokens"] for b in batched)
     for a, b in zip(alone, batched):
         assert b["choices"][0]["text"] == a["choices"][0]["text"]
         assert b["usage"] == a["usage"] and b["choices"][0]["finish_reason"] == a["choices"][0]["finish_reason"]

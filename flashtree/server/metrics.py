@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 ACCEPT_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 64)
 ROUND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # "stop"/"length"/"abort" are engine finish reasons; the rest are the server's refusals.
 STATUSES = ("stop", "length", "abort", "error", "invalid", "rejected")
 
@@ -34,6 +35,10 @@ class ServerMetrics:
         self.batch_size = Gauge("flashtree_batch_size", "Requests in the last round (0 when idle)", registry=r)
         self.waiting = Gauge("flashtree_requests_waiting", "Requests queued for a free slot", registry=r)
         self.running = Gauge("flashtree_requests_running", "Requests holding a slot", registry=r)
+        self.ttft = Histogram("flashtree_time_to_first_token_seconds", "Arrival to first token (queueing + "
+                              "prefill) of finished requests", buckets=REQUEST_BUCKETS, registry=r)
+        self.latency = Histogram("flashtree_request_seconds", "Arrival to finish of requests that were not "
+                                 "aborted", buckets=REQUEST_BUCKETS, registry=r)
         self._last_round = None
 
     def observe_round(self, engine, outputs) -> None:
@@ -56,3 +61,7 @@ class ServerMetrics:
 
     def finished(self, req, status: str | None) -> None:
         self.requests.labels(status or "abort").inc()
+        stats = req.stats
+        if status in ("stop", "length") and stats.first_token is not None:
+            self.ttft.observe(stats.first_token - stats.arrival)
+            self.latency.observe(stats.wall_seconds)
