@@ -187,7 +187,8 @@ def test_sixteen_concurrent_requests_equal_their_single_runs(server, model):
             return await asyncio.gather(*[http.post(f"{url}/v1/completions", json=c) for c in cases])
 
     rounds0 = metric(url, "flashtree_round_seconds_count")
-    generated0, prompted0 = metric(url, "flashtree_generation_tokens_total"), metric(url, "flashtree_prompt_tokens_total")
+    generated0 = metric(url, "flashtree_generation_tokens_total")
+    prompted0 = metric(url, "flashtree_prompt_tokens_total")
     batched = [r.json() for r in asyncio.run(together())]
     rounds_batched = metric(url, "flashtree_round_seconds_count") - rounds0
     generated = metric(url, "flashtree_generation_tokens_total") - generated0

@@ -62,7 +62,7 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
                   description="OpenAI-compatible server: lossless DFlash/DDTree speculative decoding")
     app.state.engine_loop = loop
     app.state.metrics = metrics
-    install_error_handlers(app, lambda status: metrics.requests.labels("rejected" if status == 429 else "invalid").inc())
+    install_error_handlers(app, lambda code: metrics.requests.labels("rejected" if code == 429 else "invalid").inc())
 
     def sampling(body: SamplingFields, default_max: int):
         if body.model is not None and body.model != name:
