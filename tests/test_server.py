@@ -209,6 +209,11 @@ BAD = [  # (path, raw body or json, status, param, words the message must contai
     ("/v1/completions", b"{not json", 400, None, "malformed JSON"),
     ("/v1/completions", b"", 400, None, "body is missing"),
     ("/v1/completions", b"[1, 2]", 400, None, "JSON object"),
+    ("/v1/completions", ("text/plain", b'{"prompt": "hi"}'), 400, None, "Content-Type: application/json"),
+    ("/v1/completions", b'{"prompt": "\\ud800 lone surrogate"}', 400, "prompt", "Unicode"),
+    ("/v1/completions", b'{"prompt": "\xff\xfe not UTF-8"}', 400, None, "malformed JSON"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature", "finite"),
+    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None, "JSON"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "number"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": True}, 400, "max_tokens", "integer"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens", "greater than"),
@@ -232,6 +237,10 @@ BAD = [  # (path, raw body or json, status, param, words the message must contai
     ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 40}, 400, "stop", "at most"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop[0]", "at least 1"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                              "max_completion_tokens": 2}, 400, None, "not both"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "messages[0].content[0].type", "'text'"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", "system"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      400, "tools", "not supported"),
@@ -245,7 +254,9 @@ BAD = [  # (path, raw body or json, status, param, words the message must contai
 @pytest.mark.parametrize("path,body,status,param,words", BAD, ids=[f"{i}-{c[0][4:]}" for i, c in enumerate(BAD)])
 def test_bad_input_is_an_openai_error_and_the_server_keeps_serving(server, model, path, body, status, param, words):
     url = server[0]
-    if isinstance(body, bytes):
+    if isinstance(body, tuple):  # (content type, raw bytes)
+        r = httpx.post(f"{url}{path}", content=body[1], headers={"content-type": body[0]}, timeout=60)
+    elif isinstance(body, bytes):
         r = httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"}, timeout=60)
     else:
         r = httpx.post(f"{url}{path}", json=body, timeout=60)

@@ -84,6 +84,8 @@ def install_error_handlers(app: FastAPI, on_refusal) -> None:
     async def _invalid(request: Request, exc: RequestValidationError):
         on_refusal(400)
         message, param = validation_message(list(exc.errors()))
+        if param is None and "json" not in request.headers.get("content-type", ""):
+            message = "send the body as JSON with the header Content-Type: application/json"
         return error_response(400, message, param, "invalid_value")
 
     @app.exception_handler(APIError)
@@ -107,6 +109,10 @@ def install_error_handlers(app: FastAPI, on_refusal) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
+        if exc.status_code == 400:  # FastAPI's "error parsing the body": bad UTF-8, absurd nesting
+            on_refusal(400)
+            return error_response(400, "malformed JSON body: it could not be parsed as UTF-8 JSON", None,
+                                  "invalid_value")
         return error_response(exc.status_code, str(exc.detail), None, None, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from flashtree.sampling import SamplingParams
@@ -50,6 +50,16 @@ def _integral(value):
     return int(value) if type(value) is float and value.is_integer() else value
 
 
+def _unicode(value: str) -> str:
+    """JSON can smuggle lone UTF-16 surrogates ("\\ud800") that no tokenizer can encode."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (it contains a lone UTF-16 surrogate)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 # Bounds go before the validator and inside the Annotated, so the JSON schema states them as
 # minimum/maximum within each union arm (the fuzz test generates requests from that schema).
 TokenCount = Annotated[int, Field(ge=1, le=1_000_000), BeforeValidator(_integral)]
@@ -81,7 +91,7 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
-Stop = Annotated[str, Field(min_length=1)]
+Stop = Annotated[Text, Field(min_length=1)]
 
 
 class SamplingFields(Strict):
@@ -115,19 +125,19 @@ class SamplingFields(Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] = Field(
+    prompt: Annotated[Text, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] = Field(
         ..., description="one prompt: text, or a list of token ids (batched prompts are not supported)")
     max_tokens: TokenCount | None = Field(16, description="OpenAI's default is 16")
 
 
 class TextPart(Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
     name: str | None = None
 
     def text(self) -> str:
