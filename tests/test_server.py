@@ -59,7 +59,7 @@ def live_server(pair: tuple[str, str], slow_round: float = 0.0, grace: float = 5
 
         engine.step = slow_step
     app = build_app(engine)
-    server = BackgroundServer(app, timeout_graceful_shutdown=grace)
+    server = BackgroundServer(app, grace=grace)
     url = server.start()
     try:
         yield url, app, engine
@@ -357,3 +357,27 @@ def test_shutdown_finishes_in_flight_requests(pair):
     http.close()
     assert lines[-1] == "data: [DONE]" and '"finish_reason": "length"' in lines[-2]
     assert not app.state.engine_loop.thread.is_alive() and not engine.has_unfinished
+
+
+def test_shutdown_aborts_what_outlives_the_grace_period(pair):
+    """Past the grace period, a stream ends with an error event and [DONE], a plain request with a 503."""
+    lines: list[str] = []
+    plain: list[httpx.Response] = []
+    with live_server(pair, slow_round=0.05, max_batch=2, grace=0.5) as (url, app, engine):
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        http, r, rest = long_stream(url, model)
+        body = {"model": model, "prompt": "x", "max_tokens": 200, "ignore_eos": True}
+        threads = [threading.Thread(target=lambda: lines.extend(x for x in rest if x)),
+                   threading.Thread(target=lambda: plain.append(httpx.post(f"{url}/v1/completions", json=body,
+                                                                           timeout=60)))]
+        for t in threads:
+            t.start()
+        wait_for(lambda: metric(url, "flashtree_requests_running") == 2)
+        t0 = time.monotonic()
+    for t in threads:
+        t.join(30)
+    http.close()
+    assert time.monotonic() - t0 < 5
+    assert lines[-1] == "data: [DONE]" and "shut down" in json.loads(lines[-2][6:])["error"]["message"]
+    assert plain[0].status_code == 503 and "shut down" in plain[0].json()["error"]["message"]
+    assert not engine.has_unfinished

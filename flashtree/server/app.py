@@ -116,9 +116,9 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
         while True:
             update = await stream.updates.get()
             if update.error is not None:
-                status = 503 if isinstance(update.error, EngineStopped) else 500
+                code = "shutting_down" if isinstance(update.error, EngineStopped) else "internal_error"
                 yield sse({"error": {"message": str(update.error), "type": "server_error", "param": None,
-                                     "code": status}})
+                                     "code": code}})
                 yield DONE
                 return
             done = update.finish_reason is not None

@@ -5,20 +5,19 @@ from __future__ import annotations
 import threading
 import time
 
-import uvicorn
+from flashtree.server.graceful import BACKSTOP_S, GracefulServer
 
 
 class BackgroundServer:
     """`with BackgroundServer(app) as url:` serves `app` at url until the block ends.
 
     uvicorn skips signal handlers off the main thread, so stopping goes through
-    `should_exit`, which runs the same graceful shutdown (and the app's lifespan) as SIGTERM.
+    `should_exit`, which runs the same graceful shutdown (and the app's lifespan) as SIGTERM:
+    running requests get `grace` seconds to finish, then they are aborted.
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout_graceful_shutdown: float = 5.0) -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=timeout_graceful_shutdown)
-        self.server = uvicorn.Server(config)
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, grace: float = 5.0) -> None:
+        self.server = GracefulServer(app, grace, host=host, port=port, log_level="warning", lifespan="on")
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.host = host
 
@@ -32,9 +31,9 @@ class BackgroundServer:
         port = self.server.servers[0].sockets[0].getsockname()[1]
         return f"http://{self.host}:{port}"
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout)
+        self.thread.join(self.server.grace + BACKSTOP_S + 10)
 
     def __enter__(self) -> str:
         return self.start()

@@ -8,19 +8,17 @@ from flashtree.cli import add_engine_args, engine_kwargs
 
 
 def serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
     from flashtree import EngineConfig, LLMEngine
     from flashtree.server.app import build_app
+    from flashtree.server.graceful import GracefulServer
 
     config = EngineConfig(**engine_kwargs(args), max_batch=args.max_batch, max_model_len=args.max_model_len,
                           max_queue=args.max_queue, max_round_tokens=args.max_round_tokens)
     engine = LLMEngine(config)
     app = build_app(engine, model_name=args.served_model_name)
-    # uvicorn turns SIGTERM/SIGINT into a graceful shutdown: stop accepting, let in-flight
-    # requests finish for up to --shutdown-timeout seconds, then the lifespan aborts the rest.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    # SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to
+    # --shutdown-timeout seconds, then end the rest with an error and exit.
+    GracefulServer(app, args.shutdown_timeout, host=args.host, port=args.port, log_level=args.log_level).run()
 
 
 def register(subparsers) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 from flashtree.engine import LLMEngine
@@ -85,6 +86,7 @@ class EngineLoop:
         self.streams: dict[str, tuple[Request, RequestStream]] = {}
         self.thread = threading.Thread(target=self._run, name="flashtree-engine", daemon=True)
         self.stopping = False
+        self.deadline: float | None = None  # engine thread: abort what still runs after this
 
     # ---- called from the event loop --------------------------------------------------------
 
@@ -115,6 +117,14 @@ class EngineLoop:
         if not stream.finished:
             self.inbox.put(("abort", stream.request_id))
 
+    def drain(self, grace: float) -> None:
+        """Shutdown, first step: refuse new requests (503); abort those still running after `grace` s.
+
+        Aborted requests end with an error (a 503, or an error event on a stream) rather than
+        having their HTTP tasks cancelled, so clients learn why and nothing logs a traceback."""
+        self.stopping = True
+        self.inbox.put(("deadline", time.monotonic() + grace))
+
     def stop(self, timeout: float = 30.0) -> None:
         """Abort whatever is still in flight and join the thread (uvicorn drained HTTP first)."""
         self.stopping = True
@@ -125,10 +135,13 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
+        shut_down = EngineStopped("the server shut down before this request finished")
         while True:
             block = not engine.has_unfinished
-            if not self._drain(block):
+            if not self._apply_commands(block):
                 break
+            if self.deadline is not None and time.monotonic() >= self.deadline and self.streams:
+                self._abort_all(shut_down)
             self.metrics.observe_queue(engine)
             if not engine.has_unfinished:
                 continue
@@ -142,18 +155,17 @@ class EngineLoop:
             for out in outputs:
                 self._deliver(out.request)
             self.metrics.observe_queue(engine)
-        stopped = EngineStopped("the server shut down before this request finished")
-        self._abort_all(stopped)
+        self._abort_all(shut_down)
         while True:  # adds that raced with the stop command
             try:
                 kind, arg = self.inbox.get_nowait()
             except queue.Empty:
                 break
             if kind == "add":
-                arg._reject(stopped)
+                arg._reject(shut_down)
         self.metrics.observe_queue(engine)
 
-    def _drain(self, block: bool) -> bool:
+    def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands; False once told to stop."""
         while True:
             try:
@@ -165,6 +177,8 @@ class EngineLoop:
                 return False
             if kind == "add":
                 self._add(arg)
+            elif kind == "deadline":
+                self.deadline = arg
             elif kind == "abort" and arg in self.streams:
                 req, stream = self.streams[arg]
                 self.engine.abort(req)
