@@ -139,26 +139,29 @@ def context_visible(anchors: Tensor, block_size: int, t: int, window: int | None
     return vis
 
 
-def dense_attention(q, ck, cv, bk, bv, anchors, block_size, window, scale) -> Tensor:
-    s, _, n, _ = q.shape
-    ctx = context_visible(anchors, block_size, ck.shape[2], window)
-    blk = torch.arange(n, device=q.device) // block_size
-    own = (blk[:, None] == blk[None, :]).expand(s, -1, -1)
-    mask = torch.cat([ctx, own], dim=2)[:, None]
+def dense_mask(anchors: Tensor, block_size: int, t: int, window: int | None) -> Tensor:
+    """[S, 1, m*B, T + m*B]: the context part, then own-block-only over all blocks."""
+    n = anchors.shape[1] * block_size
+    blk = torch.arange(n, device=anchors.device) // block_size
+    own = (blk[:, None] == blk[None, :]).expand(anchors.shape[0], -1, -1)
+    return torch.cat([context_visible(anchors, block_size, t, window), own], dim=2)[:, None]
+
+
+def dense_attention(q, ck, cv, bk, bv, mask: Tensor, block_size: int, scale: float) -> Tensor:
     keys, values = torch.cat([ck, bk], dim=2), torch.cat([cv, bv], dim=2)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
                                           enable_gqa=keys.shape[1] != q.shape[1])
 
 
-def split_attention(q, ck, cv, bk, bv, anchors, block_size, window, scale) -> Tensor:
+def split_attention(q, ck, cv, bk, bv, visible: Tensor, block_size: int, scale: float) -> Tensor:
     """Scores against the context [.., m*B, T] and within each block [.., m, B, B], one softmax."""
     s, h, n, d = q.shape
     kv, t, b = ck.shape[1], ck.shape[2], block_size
     m, g = n // b, h // kv
-    qg = q.view(s, kv, g, n, d)
-    sc = torch.einsum("skgqd,sktd->skgqt", qg, ck) * scale
-    sc = sc.masked_fill(~context_visible(anchors, b, t, window)[:, None, None], float("-inf"))
-    sb = torch.einsum("skgmid,skmjd->skgmij", qg.view(s, kv, g, m, b, d), bk.view(s, kv, m, b, d)) * scale
+    qg = q.view(s, kv, g, n, d) * scale
+    sc = torch.einsum("skgqd,sktd->skgqt", qg, ck)
+    sc = sc.masked_fill(~visible[:, None, None], float("-inf"))
+    sb = torch.einsum("skgmid,skmjd->skgmij", qg.view(s, kv, g, m, b, d), bk.view(s, kv, m, b, d))
     p = torch.softmax(torch.cat([sc.view(s, kv, g, m, b, t), sb], dim=-1), dim=-1)
     out = torch.einsum("skgmit,sktd->skgmid", p[..., :t], cv)
     out = out + torch.einsum("skgmij,skmjd->skgmid", p[..., t:], bv.view(s, kv, m, b, d))
@@ -168,16 +171,11 @@ def split_attention(q, ck, cv, bk, bv, anchors, block_size, window, scale) -> Te
 _flex = None
 
 
-def flex_attention(q, ck, cv, bk, bv, anchors, block_size, window, scale) -> Tensor:
-    """FlexAttention over [context ; all blocks] with the block-sparse DFlash mask."""
-    global _flex
+def flex_mask(anchors: Tensor, block_size: int, t: int, window: int | None):
+    """The DFlash mask as a FlexAttention BlockMask over keys [context (T) ; all blocks]."""
     from torch.nn.attention.flex_attention import create_block_mask
-    from torch.nn.attention.flex_attention import flex_attention as flex
 
-    if _flex is None:
-        _flex = torch.compile(flex, dynamic=True) if q.is_cuda else flex
-    s, _, n, _ = q.shape
-    t = ck.shape[2]
+    s, n = anchors.shape[0], anchors.shape[1] * block_size
     qa = anchors.repeat_interleave(block_size, dim=1)
     win = window if window is not None else 1 << 30
 
@@ -187,7 +185,15 @@ def flex_attention(q, ck, cv, bk, bv, anchors, block_size, window, scale) -> Ten
         own = (ki >= t) & ((ki - t) // block_size == qi // block_size)
         return ctx | own
 
-    mask = create_block_mask(mask_mod, s, None, n, t + n, device=q.device)
+    return create_block_mask(mask_mod, s, None, n, t + n, device=anchors.device)
+
+
+def flex_attention(q, ck, cv, bk, bv, mask, block_size: int, scale: float) -> Tensor:
+    global _flex
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if _flex is None:
+        _flex = torch.compile(flex, dynamic=True) if q.is_cuda else flex
     keys, values = torch.cat([ck, bk], dim=2), torch.cat([cv, bv], dim=2)
     return _flex(q, keys, values, block_mask=mask, scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
 
@@ -200,7 +206,12 @@ def pick_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-ATTENTION = {"dense": dense_attention, "split": split_attention, "flex": flex_attention}
+# backend -> (mask builder, attention); the mask is built once per forward and window.
+ATTENTION = {
+    "dense": (dense_mask, dense_attention),
+    "split": (context_visible, split_attention),
+    "flex": (flex_mask, flex_attention),
+}
 
 
 class BlockDrafter(nn.Module):
@@ -229,15 +240,20 @@ class BlockDrafter(nn.Module):
         positions = (anchors[..., None] + torch.arange(b, device=noise.device)).view(s, m * b)
         rope = dr.rotary(positions, noise.dtype)
         x = noise.reshape(s, m * b, d)
+        make_mask, attend = ATTENTION[backend]
+        masks: dict = {}
         for i, layer in enumerate(dr.layers):
+            window = dr.args.window(i)
+            if window not in masks:
+                masks[window] = make_mask(anchors, b, t, window)
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q = attn.q_norm(attn.q_proj(h).view(s, m * b, attn.num_heads, attn.head_dim))
             q = apply_rotary(q.transpose(1, 2), *rope)
             bk, bv = attn.kv(h, rope)
             ck, cv = attn.kv(ctx, ctx_rope)
-            out = ATTENTION[backend](q, ck.transpose(1, 2), cv.transpose(1, 2), bk.transpose(1, 2),
-                                     bv.transpose(1, 2), anchors, b, dr.args.window(i), attn.head_dim**-0.5)
+            out = attend(q, ck.transpose(1, 2), cv.transpose(1, 2), bk.transpose(1, 2), bv.transpose(1, 2),
+                         masks[window], b, attn.head_dim**-0.5)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(s, m * b, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return dr.norm(x).view(s, m, b, d)
