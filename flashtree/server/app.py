@@ -1,7 +1,7 @@
 """The FastAPI app: OpenAI-compatible completions and chat over one engine thread.
 
 Handlers validate, turn the body into SamplingParams, and hand the request to the
-EngineLoop; they then only wait on asyncio queues, so the event loop never blocks on a
+EngineLoop; they then only wait on asyncio objects, so the event loop never blocks on a
 model forward and many clients can stream while one thread batches their trees.
 """
 
@@ -80,7 +80,7 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
 
         async def last() -> Update:
             while True:
-                update = await stream.updates.get()
+                update = await stream.next_update()
                 if update.finish_reason is not None or update.error is not None:
                     return update
 
@@ -114,7 +114,7 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
         if (first := chunk(None, None, None)) is not None:
             yield sse(first)
         while True:
-            update = await stream.updates.get()
+            update = await stream.next_update()
             if update.error is not None:
                 code = "shutting_down" if isinstance(update.error, EngineStopped) else "internal_error"
                 yield sse({"error": {"message": str(update.error), "type": "server_error", "param": None,

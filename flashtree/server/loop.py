@@ -40,7 +40,12 @@ class Update:
 
 
 class RequestStream:
-    """The asyncio side of one request: an admission future, then a queue of Updates."""
+    """The asyncio side of one request: an admission future, then its latest Update.
+
+    Updates carry the cumulative text, so only the newest matters: a slow reader gets the
+    rounds it missed merged into one larger delta, and memory stays bounded however far
+    it falls behind.
+    """
 
     def __init__(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         self.loop = asyncio.get_running_loop()
@@ -48,8 +53,19 @@ class RequestStream:
         self.prompt = prompt
         self.params = params
         self.admitted: asyncio.Future[int] = self.loop.create_future()  # -> prompt token count
-        self.updates: asyncio.Queue[Update] = asyncio.Queue()
+        self.latest: Update | None = None
+        self.changed = asyncio.Event()
         self.finished = False
+
+    async def next_update(self) -> Update:
+        """The newest Update not yet returned (waits for the next round if none)."""
+        await self.changed.wait()
+        self.changed.clear()
+        return self.latest
+
+    def _set_latest(self, update: Update) -> None:  # runs on the event loop
+        self.latest = update
+        self.changed.set()
 
     # Called on the engine thread; everything crosses over with call_soon_threadsafe.
     def _post(self, fn, *args) -> None:
@@ -65,7 +81,7 @@ class RequestStream:
         self._post(_set_exception, self.admitted, error)
 
     def _update(self, update: Update) -> None:
-        self._post(self.updates.put_nowait, update)
+        self._post(self._set_latest, update)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:
