@@ -268,6 +268,26 @@ def test_bad_input_is_an_openai_error_and_the_server_keeps_serving(server, model
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_oversized_body_is_refused(server, model):
+    """Bodies past 8 MiB get a 413 (JSON when streamed in chunks; FastAPI answers a declared
+    Content-Length itself, in plain text), and the server keeps serving."""
+    url = server[0]
+
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(80):
+            yield b"a" * (1 << 17)
+        yield b'"}'
+
+    r = httpx.post(f"{url}/v1/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["message"] == "Content Too Large"
+    big = b'{"prompt": "' + b"a" * (9 << 20) + b'"}'
+    r = httpx.post(f"{url}/v1/completions", content=big, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413
+    ok = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+
+
 def test_openai_client_sees_bad_request(client, model):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=model, prompt="hi", temperature=-1)

@@ -8,6 +8,7 @@ model forward and many clients can stream while one thread batches their trees.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -27,6 +28,9 @@ from flashtree.server.protocol import (ChatCompletionRequest, ChatCompletionResp
                                        new_id)
 from flashtree.server.sse import DONE, SSEResponse, safe_end, sse
 
+# Far above any prompt that fits a context; refuses (413) bodies that would only burn memory.
+# FastAPI >= 0.13x enforces it; older versions accept any size.
+MAX_BODY_BYTES = 8 << 20
 ERRORS = {status: {"model": ErrorResponse, "description": what} for status, what in
           [(400, "invalid request (the message names the field and the limit)"), (404, "unknown model"),
            (429, "the waiting queue is full; retry later"), (503, "the server is shutting down")]}
@@ -58,7 +62,8 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
         # uvicorn has drained (or timed out) the HTTP requests by now; abort what remains.
         await asyncio.to_thread(loop.stop)
 
-    app = FastAPI(title="flashtree", version=__version__, lifespan=lifespan,
+    limit = {"max_body_size": MAX_BODY_BYTES} if "max_body_size" in inspect.signature(FastAPI).parameters else {}
+    app = FastAPI(title="flashtree", version=__version__, lifespan=lifespan, **limit,
                   description="OpenAI-compatible server: lossless DFlash/DDTree speculative decoding")
     app.state.engine_loop = loop
     app.state.metrics = metrics
