@@ -114,7 +114,9 @@ def test_int_budget_matches_tensor_budget():
     b = build_tree(torch.tensor([1, 2, 3]), logits, torch.tensor([9, 9, 9]))
     for x, y in zip((a.tokens, a.parents, a.depths, a.sizes), (b.tokens, b.parents, b.depths, b.sizes)):
         assert torch.equal(x, y)
-    assert a.max_depth == 5 and not a.is_chain
+    # The bound is static (D) on accelerators; on the CPU the builder stops at the first depth that
+    # cannot place a node, so the bound may be smaller, but it always covers the real depths.
+    assert int(a.depths.max()) <= a.max_depth <= 5 and not a.is_chain
 
 
 @pytest.mark.parametrize("kind", ["integer", "uniform", "certain"])
@@ -264,3 +266,23 @@ def test_accept_walk_matches_loop():
                 emitted = [int(spec.tokens[r, i]) for i in path[1:]] + [bonus]
                 assert res.tokens[r].tolist() == emitted + [-1] * (width - n)
         assert torch.equal(accept_walk(spec, follow).num_nodes, deepest.values + 1)
+
+
+def test_cpu_depth_pruning_stays_exact():
+    """Diffuse deep positions make the CPU builder stop early; the tree still equals the heap oracle."""
+    g = torch.Generator().manual_seed(11)
+    for scale in (0.5, 2.0, 8.0):
+        logits = torch.randn(2, 8, 50, generator=g) * scale
+        for budget in (1, 5, 20, 60):
+            spec = build_tree(torch.tensor([0, 0]), logits, budget)
+            for r in range(2):
+                n = int(spec.sizes[r])
+                got = set()
+                for i in range(1, n):
+                    path, j = [], i
+                    while j > 0:
+                        path.append(int(spec.tokens[r, j]))
+                        j = int(spec.parents[r, j])
+                    got.add(tuple(reversed(path)))
+                assert got == set(build_tree_reference(0, logits[r], budget))
+                assert int(spec.depths[r, :n].max()) <= spec.max_depth

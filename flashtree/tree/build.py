@@ -67,10 +67,22 @@ def build_tree(root_tokens: Tensor, draft_logits: Tensor, budget: int | Tensor) 
     score = torch.full((R, bmax), float("-inf"), device=dev)  # level 0: the root alone
     score[:, 0] = 0.0
     scores, picked = [], []
+    # On the CPU reading scalars is free, so stop at the first depth that cannot place a node.
+    prune = dev.type == "cpu"
+    best_next = tok_lp[:, :, 0].tolist() if prune else None
+    floor = [float("-inf")] * R  # per row: the worst score among the best bmax found so far
     for d in range(D):
         score, sel = _topk(score[:, pair_p] + pair_lp[:, d], bmax)
         scores.append(score)
         picked.append(sel)
+        if prune and d + 1 < D:
+            # Any deeper prefix scores at most (best at this level + best token at the next depth);
+            # once that is below bmax found prefixes in every row, no deeper node can be chosen.
+            top, last = score[:, 0].tolist(), score[:, -1].tolist()
+            floor = [max(f, x) for f, x in zip(floor, last)]
+            if all(t + b[d + 1] < f for t, b, f in zip(top, best_next, floor)):
+                break
+    D = len(scores)
     picked = torch.stack(picked, 1)  # [R, D, B] positions in the pair list
     scores = torch.stack(scores, 1).flatten(1)  # [R, D*B]; flat index d*B + rank follows the tie order
     parent_rank = pair_p[picked].flatten(1)
