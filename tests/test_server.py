@@ -401,3 +401,19 @@ def test_shutdown_aborts_what_outlives_the_grace_period(pair):
     assert lines[-1] == "data: [DONE]" and "shut down" in json.loads(lines[-2][6:])["error"]["message"]
     assert plain[0].status_code == 503 and "shut down" in plain[0].json()["error"]["message"]
     assert not engine.has_unfinished
+
+
+def test_a_dead_engine_thread_fails_requests_instead_of_hanging(pair):
+    with live_server(pair, max_batch=2) as (url, app, engine):
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+
+        def broken(*args):
+            raise RuntimeError("simulated bug in the serving loop")
+
+        app.state.metrics.observe_round = broken  # the loop's own code, outside engine.step()
+        r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 500 and "simulated bug" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "engine_error"
+        assert httpx.get(f"{url}/health").status_code == 503
+        r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 503

@@ -121,7 +121,7 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
         while True:
             update = await stream.next_update()
             if update.error is not None:
-                code = "shutting_down" if isinstance(update.error, EngineStopped) else "internal_error"
+                code = "shutting_down" if isinstance(update.error, EngineStopped) else "engine_error"
                 yield sse({"error": {"message": str(update.error), "type": "server_error", "param": None,
                                      "code": code}})
                 yield DONE

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 
 from flashtree.engine.scheduler import QueueFull
 from flashtree.errors import FlashtreeError
-from flashtree.server.loop import EngineStopped
+from flashtree.server.loop import EngineFailed, EngineStopped
 
 log = logging.getLogger("flashtree.server")
 FIELD = re.compile(r"[a-z_][a-z0-9_]*")
@@ -102,6 +102,10 @@ def install_error_handlers(app: FastAPI, on_refusal) -> None:
     async def _bad(request: Request, exc: FlashtreeError):
         on_refusal(400)
         return error_response(400, str(exc), None, "invalid_prompt")
+
+    @app.exception_handler(EngineFailed)
+    async def _failed(request: Request, exc: EngineFailed):
+        return error_response(500, str(exc), None, "engine_error")
 
     @app.exception_handler(EngineStopped)
     async def _stopped(request: Request, exc: EngineStopped):

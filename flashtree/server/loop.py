@@ -29,6 +29,14 @@ class EngineStopped(RuntimeError):
     """The engine thread is not running (shutting down, or it died); HTTP 503."""
 
 
+class EngineFailed(RuntimeError):
+    """A round, or the serving loop itself, raised; the requests in it were aborted. HTTP 500."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(f"the engine failed while decoding this request ({type(error).__name__}: {error}); "
+                         "it was aborted, and the server log has the traceback")
+
+
 @dataclass
 class Update:
     """One request's progress after a round. `text` is cumulative (the engine's trimmed text)."""
@@ -150,6 +158,16 @@ class EngineLoop:
     # ---- the engine thread -----------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as e:  # a bug in this loop: fail every waiter rather than leave it hanging
+            log.exception("the engine thread died")
+            self.stopping = True
+            for req, stream in list(self.streams.values()):
+                stream._update(Update(req.text, len(req.output_ids), "abort", EngineFailed(e)))
+            self._reject_queued(EngineStopped("the engine thread died; see the server log"))
+
+    def _serve(self) -> None:
         engine = self.engine
         shut_down = EngineStopped("the server shut down before this request finished")
         while True:
@@ -165,21 +183,25 @@ class EngineLoop:
                 outputs = engine.step()
             except Exception as e:  # a bug or device error: fail the batch, keep serving
                 log.exception("engine step failed; aborting %d requests", len(self.streams))
-                self._abort_all(e)
+                self._abort_all(EngineFailed(e))
                 continue
             self.metrics.observe_round(engine, outputs)
             for out in outputs:
                 self._deliver(out.request)
             self.metrics.observe_queue(engine)
         self._abort_all(shut_down)
-        while True:  # adds that raced with the stop command
+        self._reject_queued(shut_down)
+        self.metrics.observe_queue(engine)
+
+    def _reject_queued(self, error: BaseException) -> None:
+        """Refuse adds still in the inbox (they raced with the stop), so no handler waits forever."""
+        while True:
             try:
                 kind, arg = self.inbox.get_nowait()
             except queue.Empty:
-                break
+                return
             if kind == "add":
-                arg._reject(shut_down)
-        self.metrics.observe_queue(engine)
+                arg._reject(error)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands; False once told to stop."""
