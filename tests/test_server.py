@@ -162,10 +162,16 @@ def test_seeded_sampling_repeats(client, model):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
-def test_token_id_prompt(server, model):
+def test_token_id_prompt_and_one_prompt_lists(server, model):
+    url = server[0]
     body = {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0}
-    r = httpx.post(f"{server[0]}/v1/completions", json=body, timeout=60)
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 4
+    listed = httpx.post(f"{url}/v1/completions", json={**body, "prompt": [[5, 6, 7, 8]]}, timeout=60).json()
+    assert listed["choices"][0]["text"] == r.json()["choices"][0]["text"]
+    text = httpx.post(f"{url}/v1/completions", json={**body, "prompt": "Hello"}, timeout=60).json()
+    assert httpx.post(f"{url}/v1/completions", json={**body, "prompt": ["Hello"]}, timeout=60).json()["choices"] == \
+        text["choices"]
 
 
 # ---- continuous batching is lossless -----------------------------------------------------------
@@ -225,7 +231,9 @@ BAD = [  # (path, raw body or json, status, param, words the message must contai
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4o"}, 404, "model", "does not exist"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", "at least 1"),
     ("/v1/completions", {"prompt": []}, 400, "prompt", "at least 1"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "valid"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "batch of 2 prompts"),
+    ("/v1/completions", {"prompt": [[1, 2], [3]]}, 400, "prompt", "batch of 2 prompts"),
+    ("/v1/completions", {"prompt": [["a"]]}, 400, "prompt", "valid"),
     ("/v1/completions", {"prompt": [10**8]}, 400, None, "token ids"),
     ("/v1/completions", {"prompt": LONG}, 400, None, f"context holds {MAX_MODEL_LEN}"),
     ("/v1/completions", {"prompt": [5] * MAX_MODEL_LEN}, 400, None, f"context holds {MAX_MODEL_LEN}"),

@@ -129,6 +129,18 @@ class CompletionRequest(SamplingFields):
         ..., description="one prompt: text, or a list of token ids (batched prompts are not supported)")
     max_tokens: TokenCount | None = Field(16, description="OpenAI's default is 16")
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v):
+        """OpenAI also takes a batch of prompts; one in a list is fine, more is a clear 400."""
+        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+            if len(v) > 1:
+                raise PydanticCustomError("unsupported", "{field}: a batch of {n} prompts is not supported; send one "
+                                          "prompt per request (they are batched server-side)",
+                                          {"field": "prompt", "n": len(v)})
+            return v[0]
+        return v
+
 
 class TextPart(Strict):
     type: Literal["text"]
