@@ -10,9 +10,9 @@ from flashtree.errors import FlashtreeError
 
 # --quick: about a minute on a laptop CPU with the demo pair; explicit flags still win.
 QUICK = dict(budgets=[8, 32, 128], temperatures=[0.0, 1.0], suites=["code", "prose"], max_tokens=48,
-             num_prompts=2, cost_repeats=3, cost_dense=False)
+             num_prompts=2, cost_repeats=5, cost_dense=False)
 FULL = dict(budgets=[4, 8, 16, 32, 64, 128, 256, 512, 1024], temperatures=[0.0, 1.0], suites=["code", "prose"],
-            max_tokens=128, num_prompts=10, cost_repeats=5, cost_dense=True)
+            max_tokens=128, num_prompts=10, cost_repeats=9, cost_dense=True)
 
 
 def _list(kind):
