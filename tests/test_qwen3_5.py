@@ -28,8 +28,12 @@ def randomize(model, seed: int, logit_scale: float = 1.0) -> None:
                 p.mul_(logit_scale)
 
 
-def make_qwen35(out, seed: int = 0, logit_scale: float = 1.0, moe: bool = False, **overrides):
-    """Save a tiny random HF Qwen3.5 (or Qwen3.5-MoE) causal LM; returns (dir, HF model)."""
+def make_qwen35(out, seed: int = 0, logit_scale: float = 1.0, moe: bool = False, fast_decay: bool = False,
+                **overrides):
+    """Save a tiny random HF Qwen3.5 (or Qwen3.5-MoE) causal LM; returns (dir, HF model).
+
+    fast_decay: per-token log-decays around -20, so path decays underflow within a few tokens.
+    """
     import transformers
 
     kw = {**SMALL, **overrides}
@@ -40,6 +44,11 @@ def make_qwen35(out, seed: int = 0, logit_scale: float = 1.0, moe: bool = False,
     else:
         model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**kw))
     randomize(model, seed, logit_scale)
+    if fast_decay:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("A_log"):
+                    p.uniform_(2.5, 3.0)
     model.save_pretrained(out)
     return out, model.eval()
 
@@ -113,6 +122,24 @@ def test_moe_variant_matches_hf(tmp_path):
     assert (out.logits - ref).abs().max() < 1e-4
 
 
+def test_qwen3_next_packed_layout_matches_hf(tmp_path):
+    """Qwen3-Next: same math, but each key head's q/k/v/z (and b/a) rows are packed together, and
+    only every decoder_sparse_step-th layer is MoE (router weights not renormalised here)."""
+    import transformers
+
+    kw = {**SMALL, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+          "shared_expert_intermediate_size": 24, "decoder_sparse_step": 2, "norm_topk_prob": False}
+    hf = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**kw))
+    randomize(hf, 5)
+    hf.save_pretrained(tmp_path / "next")
+    ours = load_target(tmp_path / "next", torch.float32, CPU)
+    ids = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(4)).tolist()[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits
+        out = prefill(ours, ours.new_cache(1, 64), 0, ids)
+    assert (out.logits - ref).abs().max() < 1e-4
+
+
 def random_tree(n: int, vocab: int, gen: torch.Generator, max_depth: int = 6) -> tuple[list[int], list[int], list[int]]:
     """Tokens, parents, depths of a random topologically ordered tree (parent index < child index)."""
     tokens = torch.randint(0, vocab, (n,), generator=gen).tolist()
@@ -132,12 +159,13 @@ def path_to(parents: list[int], i: int) -> list[int]:
     return path[::-1]
 
 
-def test_tree_nodes_match_their_paths(tmp_path):
+@pytest.mark.parametrize("seed,fast_decay", [(7, False), (8, False), (9, True)])
+def test_tree_nodes_match_their_paths(tmp_path, seed, fast_decay):
     """Every node's logits, and the recurrent state, conv window and K/V after committing its path,
     equal running that path as a plain sequence (float64, so only the order of sums differs)."""
-    path, _ = make_qwen35(tmp_path / "t")
+    path, _ = make_qwen35(tmp_path / "t", seed=seed, fast_decay=fast_decay)
     model = load_target(path, torch.float64, CPU)
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (70, 5)]
     sizes = (13, 9)
     trees = [random_tree(n, 64, gen) for n in sizes]
@@ -195,6 +223,27 @@ def test_chain_window_commit_equals_sequence(tmp_path):
             prefill(model, ref, 0, prompt + chain[:keep])
             assert (cache.state - ref.state).abs().max() < 1e-9
             assert (cache.conv - ref.conv).abs().max() < 1e-9
+
+
+def test_fast_decay_prefill_equals_token_by_token(tmp_path):
+    """With decays that underflow within a few tokens (where DECAY_FLOOR zeroes terms), chunked
+    prefill, one-token windows and the state they leave agree. float64: HF's float32 norms make
+    this regime too sensitive to compare against HF itself."""
+    path, _ = make_qwen35(tmp_path / "t", fast_decay=True)
+    model = load_target(path, torch.float64, CPU)
+    ids = torch.randint(0, 64, (1, 100), generator=torch.Generator().manual_seed(3))[0].tolist()
+    with torch.no_grad():
+        whole = model.new_cache(1, 128)
+        ref = prefill(model, whole, 0, ids)
+        step = model.new_cache(1, 128)
+        prefill(model, step, 0, ids[:1])
+        for t in range(1, len(ids)):
+            view = step.view([0])
+            spec = chain_spec(torch.tensor([[ids[t]]]))
+            out = model(spec.tokens, view.starts[:, None] + spec.depths, view, spec)
+            step.commit(view, torch.zeros(1, 1, dtype=torch.long), [1], chain=True)
+            assert (out.logits[0, 0] - ref.logits[0, t]).abs().max() < 1e-9
+    assert (step.state - whole.state).abs().max() < 1e-9
 
 
 def test_recurrent_state_cannot_be_rewound(tmp_path):

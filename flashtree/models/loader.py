@@ -128,7 +128,10 @@ def load_target(name_or_path: str | os.PathLike, dtype: torch.dtype, device: tor
     cfg = read_config(path)
     with default_dtype(dtype), torch.device(device):
         model = build_target(cfg)
-    load_weights(model, read_weights(path), tied=cfg.get("tie_word_embeddings", False))
+    weights = read_weights(path)
+    if hasattr(model, "convert_checkpoint"):  # checkpoint layouts that differ from the module's (Qwen3-Next)
+        weights = model.convert_checkpoint(weights)
+    load_weights(model, weights, tied=cfg.get("tie_word_embeddings", False))
     model.source_dir = path
     return model.eval()
 

@@ -2,8 +2,10 @@
 
 Most layers are Gated DeltaNet (GDN): a causal depthwise conv over the qkv projection, then the
 gated delta rule, a linear recurrence over a [dk, dv] state per head. Every few layers is a full
-attention layer with an output gate, q/k norm and partial RoPE. Module names follow the HF
-checkpoints (minus the `model.` / `model.language_model.` prefix) so weights load as they are.
+attention layer with an output gate, q/k norm and partial RoPE. The MLP is dense (qwen3_5) or
+top-k routed experts plus a gated shared expert (qwen3_5_moe, qwen3_next). Module names follow the
+HF checkpoints (minus the `model.` / `model.language_model.` prefix) so weights load as they are;
+Qwen3-Next's packed GDN projections are split on load (`Qwen35.convert_checkpoint`).
 
 Verifying a draft tree needs every node to see the recurrent state of its own ancestor path.
 Rather than stepping depth by depth, a window is solved in closed form: within a window, the
@@ -37,6 +39,9 @@ from flashtree.models.transformer import ForwardOutput
 from flashtree.tree import TreeSpec, ancestor_mask, ancestor_table
 
 CHUNK = 64  # prefill chunk of the delta rule: the per-chunk solve is CHUNK x CHUNK per head
+# Path decays below exp(-floor) are taken as exactly 0: 60x under the dtype's epsilon next to the terms
+# they are added to, and it keeps subnormal floats (100x slower on CPUs) out of the solve and matmuls.
+DECAY_FLOOR = {torch.float32: 20.0, torch.float64: 40.0}
 
 
 @dataclass
@@ -60,11 +65,14 @@ class Qwen35Args:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     max_position_embeddings: int = 32768
-    # Mixture of experts (qwen3_5_moe); num_experts == 0 means a dense MLP.
+    # Mixture of experts (qwen3_5_moe, qwen3_next); num_experts == 0 means dense MLPs throughout.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Qwen35Args":
@@ -102,7 +110,14 @@ class Qwen35Args:
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0) or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size", 0) or 0,
             shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) or 0,
+            norm_topk_prob=cfg.get("norm_topk_prob", True),
+            decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
         )
+
+    def is_moe(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def attention_layers(self) -> list[int]:
@@ -181,14 +196,23 @@ def delta_rule_window(
     else:
         c = (mask.to(g.dtype) @ g[..., None])[..., 0]
     # gamma[i, j] = exp(c_i - c_j) on ancestor pairs (<= 1 there), 0 elsewhere; masked before exp.
-    gamma = (c[..., :, None] - c[..., None, :]).masked_fill(~mask, float("-inf")).exp()
-    system = (k @ k.transpose(-1, -2)) * gamma * beta[..., None]
-    rhs = torch.cat([v * beta[..., None], k * (beta * c.exp())[..., None]], dim=-1)
-    x = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    dv = v.shape[-1]
-    deltas = x[..., :dv] - x[..., dv:] @ state
-    out = (q * c.exp()[..., None]) @ state + ((q @ k.transpose(-1, -2)) * gamma) @ deltas
+    gamma = decay_exp((c[..., :, None] - c[..., None, :]).masked_fill(~mask, float("-inf")))
+    decay = decay_exp(c)
+    kk = (k @ k.transpose(-1, -2)) * beta[..., None]
+    # deltas = (I + T)^-1 (beta v) - exp(c) * [(I + B)^-1 (beta k)] S_0, with T = beta kk gamma and
+    # B = beta kk on strict ancestor pairs. The second solve is the decayed one (what HF solves)
+    # conjugated by diag(exp(c)), so it carries no decays and its solution stays O(1) instead of
+    # sinking into subnormals along long chains.
+    u = torch.linalg.solve_triangular(kk * gamma, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(kk.masked_fill(~mask, 0), k * beta[..., None], upper=False, unitriangular=True)
+    deltas = u - decay[..., None] * (w @ state)
+    out = (q * decay[..., None]) @ state + ((q @ k.transpose(-1, -2)) * gamma) @ deltas
     return out, deltas, c
+
+
+def decay_exp(x: Tensor) -> Tensor:
+    """exp of log-decays x <= 0, exactly 0 below exp(-DECAY_FLOOR)."""
+    return torch.where(x < -DECAY_FLOOR[x.dtype], float("-inf"), x).exp()
 
 
 def advance_state(state: Tensor, keys: Tensor, deltas: Tensor, decay: Tensor, last: Tensor, weight: Tensor) -> Tensor:
@@ -197,8 +221,8 @@ def advance_state(state: Tensor, keys: Tensor, deltas: Tensor, decay: Tensor, la
     state [R, H, dk, dv]; keys/deltas/decay [R, H, A, *] for the nodes of last's path;
     last [R, H] its decay c; weight [R, 1, A] marks which of the A nodes are on the path.
     """
-    w = (last[..., None] - decay).exp() * weight
-    return state * last.exp()[..., None, None] + (keys * w[..., None]).transpose(-1, -2) @ deltas
+    w = decay_exp(last[..., None] - decay) * weight
+    return state * decay_exp(last)[..., None, None] + (keys * w[..., None]).transpose(-1, -2) @ deltas
 
 
 # ---- layers -------------------------------------------------------------------------------------
@@ -366,15 +390,17 @@ class Experts(nn.ModuleList):
 
 
 class Router(nn.Module):
-    def __init__(self, num: int, dim: int, top_k: int) -> None:
+    def __init__(self, num: int, dim: int, top_k: int, normalize: bool) -> None:
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.normalize = top_k, normalize
         self.weight = nn.Parameter(torch.zeros(num, dim))
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         probs = F.linear(x, self.weight).softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32))
         weight, index = probs.topk(self.top_k, dim=-1)
-        return index, (weight / weight.sum(-1, keepdim=True)).to(x.dtype)
+        if self.normalize:
+            weight = weight / weight.sum(-1, keepdim=True)
+        return index, weight.to(x.dtype)
 
 
 class SparseMoE(nn.Module):
@@ -383,7 +409,7 @@ class SparseMoE(nn.Module):
     def __init__(self, args: Qwen35Args) -> None:
         super().__init__()
         d = args.hidden_size
-        self.gate = Router(args.num_experts, d, args.num_experts_per_tok)
+        self.gate = Router(args.num_experts, d, args.num_experts_per_tok, args.norm_topk_prob)
         self.experts = Experts(args.num_experts, d, args.moe_intermediate_size)
         self.shared_expert = MLP(d, args.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(d, 1, bias=False)
@@ -404,7 +430,7 @@ class Block(nn.Module):
             self.linear_attn = GatedDeltaNet(args, args.gdn_layers.index(layer))
         else:
             self.self_attn = GatedAttention(args, args.attention_layers.index(layer))
-        self.mlp = SparseMoE(args) if args.num_experts else MLP(args.hidden_size, args.intermediate_size)
+        self.mlp = SparseMoE(args) if args.is_moe(layer) else MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -508,6 +534,28 @@ class Qwen35(nn.Module):
     @property
     def num_layers(self) -> int:
         return self.args.num_layers
+
+    def convert_checkpoint(self, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Qwen3-Next packs each key head's q, k, v, z (and b, a) rows together in in_proj_qkvz
+        (in_proj_ba); split them into the Qwen3.5 projections this model has."""
+        a = self.args
+        hk, r = a.linear_num_key_heads, a.linear_num_value_heads // a.linear_num_key_heads
+        dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
+        out = {}
+        for name, w in weights.items():
+            if name.endswith("linear_attn.in_proj_qkvz.weight"):
+                base = name[: -len("in_proj_qkvz.weight")]
+                q, k, v, z = w.view(hk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
+                out[base + "in_proj_qkv.weight"] = torch.cat([t.reshape(-1, w.shape[-1]) for t in (q, k, v)])
+                out[base + "in_proj_z.weight"] = z.reshape(-1, w.shape[-1])
+            elif name.endswith("linear_attn.in_proj_ba.weight"):
+                base = name[: -len("in_proj_ba.weight")]
+                b, a_ = w.view(hk, 2 * r, -1).split([r, r], dim=1)
+                out[base + "in_proj_b.weight"] = b.reshape(-1, w.shape[-1])
+                out[base + "in_proj_a.weight"] = a_.reshape(-1, w.shape[-1])
+            else:
+                out[name] = w
+        return out
 
     def new_cache(self, num_slots: int, max_len: int) -> HybridCache:
         p = self.embed_tokens.weight
