@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from flashtree import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from flashtree.models.mask import window_mask  # noqa: E402
-from flashtree.tree import accept_walk, build_tree  # noqa: E402
+from flashtree.tree import accept_walk, build_chain, build_tree  # noqa: E402
 from tiny import make_drafter, make_target  # noqa: E402
 
 
@@ -55,10 +55,10 @@ def main() -> None:
     prompt = [(7 * i) % (args.vocab - 2) for i in range(args.prompt_len)]
     print(f"torch {torch.__version__}, threads {args.threads}, target {args.layers}x{args.hidden} V={args.vocab}, "
           f"drafter 1 layer, block {args.block}, prompt {args.prompt_len}, {args.max_tokens} new tokens\n")
-    print("| budget | round ms | draft | tree | verify | commit | mask* | walk* | overhead share |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for budget in args.budgets:
-        engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), method="ddtree", budget=budget,
+    print("| method | tau | round ms | draft | tree | verify | commit | mask* | walk* | overhead share |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for method, budget in [("dflash", 1)] + [("ddtree", b) for b in args.budgets]:
+        engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), method=method, budget=budget,
                                         device="cpu", dtype="float32", max_batch=1, max_model_len=1024))
         for _ in range(2):  # the first run warms up
             req = engine.add_request(prompt, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
@@ -69,7 +69,7 @@ def main() -> None:
         ms = {k: 1000 * v / rounds for k, v in s.stage_seconds.items() if k != "prefill"}
         # Mask and walk run inside verify/commit; time them alone on the same shapes.
         logits = torch.randn(1, args.block - 1, args.vocab)
-        spec = build_tree(torch.tensor([1]), logits, budget)
+        spec = build_chain(torch.tensor([1]), logits) if method == "dflash" else build_tree(torch.tensor([1]), logits, budget)
         view = engine.runner.cache.view([0])
         mask_ms = median_ms(lambda: window_mask(view, spec, spec.num_nodes))
         picks = torch.randint(0, args.vocab, (1, spec.num_nodes))
@@ -77,7 +77,8 @@ def main() -> None:
         total = sum(ms.values())
         commit_non_model = max(0.0, ms["commit"])  # walk + host read + K/V compaction + drafter append
         overhead = ms["tree"] + mask_ms + commit_non_model
-        print(f"| {budget} | {total:.2f} | {ms['draft']:.2f} | {ms['tree']:.2f} | {ms['verify']:.2f} | "
+        label = "dflash (chain)" if method == "dflash" else f"ddtree {budget}"
+        print(f"| {label} | {s.mean_accept_length:.2f} | {total:.2f} | {ms['draft']:.2f} | {ms['tree']:.2f} | {ms['verify']:.2f} | "
               f"{ms['commit']:.2f} | {mask_ms:.2f} | {walk_ms:.2f} | {100 * overhead / total:.1f}% |")
     print("\n*mask is part of verify, walk part of commit; both timed alone on the same shapes.")
 
