@@ -4,9 +4,12 @@ Each point is one target forward over a random DDTree (built by build_tree from 
 so it has the real shape, mask and positions) written after a fresh cache view holding
 `context_len` committed tokens, plus the per-node pick at each benchmarked temperature. That is
 exactly the engine's "verify" stage, so T_verify(n) from here slots into the round-time model.
-Sizes are timed round-robin (all sizes once, then again) so slow drift hits every size alike.
-Each point keeps the fastest repeat: noise from other processes only ever adds time, and on a
-shared CPU it lands in bursts that can take even the median (the median is kept too).
+Each size runs `warmup` untimed forwards, then `repeats` timed ones back to back: the steady
+state of a decode loop, which repeats one window size. (Round-robin over sizes was tried and
+rejected: right after a 1025-node forward, a 1-node forward ran ~40% slower on the CPU, with
+caches and the allocator still shaped by the big one.) Each point keeps the fastest repeat:
+noise from other processes only ever adds time, and on a shared CPU it lands in bursts that can
+take even the median (the median is kept too).
 """
 
 from __future__ import annotations
@@ -104,8 +107,8 @@ def measure_cost_curve(target, drafter, tree_sizes: list[int], chain_sizes: list
     gens = {k: p.generator(device) for k, p in params.items()}
     fwd: dict[int, list[float]] = {i: [] for i in range(len(specs))}
     pick: dict[int, dict[str, list[float]]] = {i: {k: [] for k in params} for i in range(len(specs))}
-    for rep in range(warmup + repeats):
-        for i, (_, _, spec) in enumerate(specs):
+    for i, (_, _, spec) in enumerate(specs):
+        for rep in range(warmup + repeats):
             view = cache.view([0])
             positions = view.starts[:, None] + spec.depths
             _sync(device)
