@@ -9,8 +9,8 @@ from pathlib import Path
 from flashtree.errors import FlashtreeError
 
 # --quick: about a minute on a laptop CPU with the demo pair; explicit flags still win.
-QUICK = dict(budgets=[8, 32, 128], temperatures=[0.0, 1.0], suites=["code", "prose"], max_tokens=48,
-             num_prompts=2, cost_repeats=5, cost_dense=False)
+QUICK = dict(budgets=[8, 32, 128], temperatures=[0.0, 1.0], suites=["code", "prose"], max_tokens=64,
+             num_prompts=3, cost_repeats=5, cost_dense=False)
 FULL = dict(budgets=[4, 8, 16, 32, 64, 128, 256, 512, 1024], temperatures=[0.0, 1.0], suites=["code", "prose"],
             max_tokens=128, num_prompts=10, cost_repeats=9, cost_dense=True)
 
@@ -42,8 +42,8 @@ def register(subparsers) -> None:
     p.add_argument("--temperatures", type=_list(float), default=None, help="default 0,1")
     p.add_argument("--suites", type=_list(str), default=None,
                    help=f"{', '.join(suite_names())}, or a .jsonl path (default code,prose)")
-    p.add_argument("--max-tokens", type=int, default=None, help="per request (default 128; --quick 48)")
-    p.add_argument("--num-prompts", type=int, default=None, help="per suite (default 10; --quick 2)")
+    p.add_argument("--max-tokens", type=int, default=None, help="per request (default 128; --quick 64)")
+    p.add_argument("--num-prompts", type=int, default=None, help="per suite (default 10; --quick 3)")
     p.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
     p.add_argument("--quick", action="store_true", help="a small grid that runs in about a minute")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded requests per cell and temperature")
