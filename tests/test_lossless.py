@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from flashtree import LLM, SamplingParams
 from tiny import make_drafter, make_target

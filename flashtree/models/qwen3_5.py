@@ -33,9 +33,9 @@ from torch import Tensor, nn
 
 from flashtree.cache import CacheView, KVCache
 from flashtree.errors import FlashtreeError
-from flashtree.models.layers import MLP, Rotary, apply_rotary, attention, rope_parameters
+from flashtree.models.layers import MLP, apply_rotary, attention, rope_parameters
 from flashtree.models.mask import window_mask
-from flashtree.models.transformer import ForwardOutput
+from flashtree.models.transformer import DecoderLM, ForwardOutput
 from flashtree.tree import TreeSpec, ancestor_mask, ancestor_table
 
 CHUNK = 64  # prefill chunk of the delta rule: the per-chunk solve is CHUNK x CHUNK per head
@@ -515,25 +515,11 @@ class HybridCache(KVCache):
 # ---- the model ----------------------------------------------------------------------------------
 
 
-class Qwen35(nn.Module):
+class Qwen35(DecoderLM):
     def __init__(self, args: Qwen35Args) -> None:
-        super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = Rotary(args.head_dim, args.rope)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.args.vocab_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.args.num_layers
+        # Qwen3.5's final norm is zero-centred like its others.
+        layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
+        super().__init__(args, layers, RMSNorm(args.hidden_size, args.rms_norm_eps))
 
     def convert_checkpoint(self, weights: dict[str, Tensor]) -> dict[str, Tensor]:
         """Qwen3-Next packs each key head's q, k, v, z (and b, a) rows together in in_proj_qkvz
@@ -577,18 +563,8 @@ class Qwen35(nn.Module):
         Features are the outputs of the blocks in `feature_layers` (HF hidden_states[k+1]).
         """
         step = Step.make(cache, tree, tokens.shape[1], self.args.linear_conv_kernel)
-        x = self.embed_tokens(tokens)
-        rope = self.rotary(positions, x.dtype)
-        features = {}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, step)
-            if i in feature_layers:
-                features[i] = x
+        out = self.run(tokens, positions, step, feature_layers, last_only)
         if step.keep_all:
             for slot, start in zip(cache.slot_list, cache.start_list):
                 cache.cache.state_len[slot] = start + tokens.shape[1]
-        if last_only:
-            x = x[:, -1:]
-        logits = self.lm_head(self.norm(x))
-        feats = torch.cat([features[k] for k in feature_layers], dim=-1) if feature_layers else None
-        return ForwardOutput(logits, feats)
+        return out

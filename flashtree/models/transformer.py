@@ -126,13 +126,18 @@ class ForwardOutput:
     features: Tensor | None  # [R, N, len(feature_layers) * hidden]
 
 
-class Transformer(nn.Module):
-    def __init__(self, args: TransformerArgs) -> None:
+class DecoderLM(nn.Module):
+    """Embeddings, a stack of blocks, the final norm and the LM head: what every target shares.
+
+    Subclasses build `layers` and a per-forward `step` object their blocks understand.
+    """
+
+    def __init__(self, args, layers: nn.ModuleList, norm: nn.Module | None = None) -> None:
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.layers = layers
+        self.norm = norm if norm is not None else RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -145,6 +150,28 @@ class Transformer(nn.Module):
     @property
     def num_layers(self) -> int:
         return self.args.num_layers
+
+    def run(self, tokens: Tensor, positions: Tensor, step, feature_layers: tuple[int, ...],
+            last_only: bool) -> ForwardOutput:
+        """Features are the outputs of the blocks in `feature_layers` (HF hidden_states[k+1]),
+        concatenated in that order."""
+        x = self.embed_tokens(tokens)
+        rope = self.rotary(positions, x.dtype)
+        features = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, step)
+            if i in feature_layers:
+                features[i] = x
+        if last_only:
+            x = x[:, -1:]
+        logits = self.lm_head(self.norm(x))
+        feats = torch.cat([features[k] for k in feature_layers], dim=-1) if feature_layers else None
+        return ForwardOutput(logits, feats)
+
+
+class Transformer(DecoderLM):
+    def __init__(self, args: TransformerArgs) -> None:
+        super().__init__(args, nn.ModuleList(Block(args, i) for i in range(args.num_layers)))
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         p = self.embed_tokens.weight
@@ -160,24 +187,6 @@ class Transformer(nn.Module):
         feature_layers: tuple[int, ...] = (),
         last_only: bool = False,
     ) -> ForwardOutput:
-        """Run a window of tokens [R, N] at `positions` [R, N] after each slot's prefix.
-
-        Features are the outputs of the blocks in `feature_layers` (HF hidden_states[k+1]),
-        concatenated in that order.
-        """
+        """Run a window of tokens [R, N] at `positions` [R, N] after each slot's prefix."""
         step = Step.make(cache, tree, tokens.shape[1])
-        x = self.embed_tokens(tokens)
-        rope = self.rotary(positions, x.dtype)
-        features = []
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, step)
-            if i in feature_layers:
-                features.append(x)
-        if last_only:
-            x = x[:, -1:]
-        logits = self.lm_head(self.norm(x))
-        feats = None
-        if feature_layers:
-            order = {k: j for j, k in enumerate(sorted(set(feature_layers)))}
-            feats = torch.cat([features[order[k]] for k in feature_layers], dim=-1)
-        return ForwardOutput(logits, feats)
+        return self.run(tokens, positions, step, feature_layers, last_only)
