@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from flashtree.cache import CacheView, KVCache
 from flashtree.errors import FlashtreeError
 from flashtree.models.layers import MLP, RMSNorm, Rotary, apply_rotary, attention, rope_parameters
+from flashtree.models.transformer import Attention
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -85,6 +86,10 @@ class DFlashArgs:
             attention_bias=cfg.get("attention_bias", False),
         )
 
+    @property
+    def qk_norm(self) -> bool:
+        return True  # DFlash drafters are Qwen3 layers
+
     def window(self, layer: int) -> int | None:
         """The sliding window of a layer, or None for full attention."""
         if self.layer_types[layer] == "sliding_attention":
@@ -92,18 +97,8 @@ class DFlashArgs:
         return None
 
 
-class DraftAttention(nn.Module):
-    def __init__(self, args: DFlashArgs, layer: int) -> None:
-        super().__init__()
-        d, hd, bias = args.hidden_size, args.head_dim, args.attention_bias
-        self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, hd
-        self.q_proj = nn.Linear(d, args.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(d, args.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(d, args.num_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(args.num_heads * hd, d, bias=bias)
-        self.q_norm = RMSNorm(hd, args.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, args.rms_norm_eps)
+class DraftAttention(Attention):
+    """Qwen3 attention projections (q/k norms included); K/V also come from the cached context."""
 
     def kv(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """Rotated K and V [R, n, Hkv, D] for hidden states x [R, n, d]."""
