@@ -17,12 +17,22 @@ from flashtree.errors import FlashtreeError
 SUBSYSTEMS = ("flashtree.server.cli", "flashtree.bench.cli", "flashtree.train.cli")
 
 
+def parse_budget(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The model and method flags every command shares."""
     p.add_argument("--target", help="HF checkpoint dir or hub id (default: the embedded demo target)")
     p.add_argument("--drafter", help="DFlash drafter dir or hub id (default: the demo drafter)")
     p.add_argument("--method", default="ddtree", help=f"one of {', '.join(METHODS)} (default ddtree)")
-    p.add_argument("--budget", type=int, default=64, help="tree nodes per round for ddtree (default 64)")
+    p.add_argument("--budget", type=parse_budget, default=64,
+                   help="tree nodes per round for ddtree, or 'auto' to pick each round's size from measured cost (default 64)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", help="float32, bfloat16, float16, float64 (default: bf16 on cuda, fp32 on cpu)")
 

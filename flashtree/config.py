@@ -18,7 +18,8 @@ class EngineConfig:
     target: str | None = None  # HF dir or hub id; None = the embedded demo target
     drafter: str | None = None  # z-lab DFlash dir or hub id; None = the demo drafter (demo target only)
     method: str = "ddtree"
-    budget: int = 64  # drafted tree nodes per request and round (root not counted)
+    budget: int | str = 64  # drafted tree nodes per request and round (root not counted), or "auto"
+    max_budget: int = 256  # the largest tree budget="auto" may choose
     device: str | None = None  # None = cuda if available, else cpu
     dtype: str | None = None  # None/auto = bf16 on cuda, float32 on cpu
     max_batch: int = 8  # requests decoded together
@@ -27,11 +28,18 @@ class EngineConfig:
     max_queue: int = 256  # waiting requests before add_request refuses
     stage_timing: bool | None = None  # sync between stages to time them; None = on for cpu only
 
+    @property
+    def tree_budget(self) -> int:
+        """The largest tree a round may build."""
+        return self.max_budget if self.budget == "auto" else self.budget
+
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise FlashtreeError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        if not isinstance(self.budget, int) or not 1 <= self.budget <= 1024:
-            raise FlashtreeError(f"budget must be an integer in 1..1024, got {self.budget!r}")
+        if self.budget != "auto" and (not isinstance(self.budget, int) or not 1 <= self.budget <= 1024):
+            raise FlashtreeError(f"budget must be an integer in 1..1024 or 'auto', got {self.budget!r}")
+        if not 1 <= self.max_budget <= 1024:
+            raise FlashtreeError(f"max_budget must be in 1..1024, got {self.max_budget}")
         if self.max_batch < 1:
             raise FlashtreeError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_model_len is not None and self.max_model_len < 2:

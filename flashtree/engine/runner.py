@@ -21,7 +21,9 @@ from flashtree.config import EngineConfig
 from flashtree.engine.sequence import Request
 from flashtree.models.dflash import DFlashDrafter
 from flashtree.sampling import pick_tokens
+from flashtree.engine.budget import AutoBudget
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
+from flashtree.tree.budget import expected_accepts, truncate
 
 
 class StageClock:
@@ -52,16 +54,20 @@ class ModelRunner:
         self.method = config.method
         self.block_size = drafter.block_size if drafter is not None else 1
         self.feature_layers = tuple(drafter.args.target_layer_ids) if drafter is not None else ()
-        self.max_window = 1 + (config.budget if self.method == "ddtree" else self.block_size - 1)
+        self.max_window = 1 + (config.tree_budget if self.method == "ddtree" else self.block_size - 1)
         cache_len = config.max_model_len + self.max_window
         self.cache = target.new_cache(config.max_batch, cache_len)
         self.draft_cache = drafter.new_cache(config.max_batch, cache_len) if drafter is not None else None
         sync = config.stage_timing if config.stage_timing is not None else device.type != "cuda"
         self.clock = StageClock(device, sync)
+        self.auto = None
+        self.predicted = 0.0  # drafter-expected accepted nodes of the last auto-sized round
+        if self.method == "ddtree" and config.budget == "auto":
+            self.auto = AutoBudget.measure(target, drafter, self.cache, self.draft_cache, config.max_budget)
 
     def budgets(self, n: int) -> int:
         """Per-request tree budget for a batch of n: capped so all trees fit max_round_tokens."""
-        return max(1, min(self.config.budget, self.config.max_round_tokens // n - 1))
+        return max(1, min(self.config.tree_budget, self.config.max_round_tokens // n - 1))
 
     @torch.inference_mode()
     def prefill(self, req: Request) -> int:
@@ -96,6 +102,8 @@ class ModelRunner:
             host = torch.cat([walk.num_nodes[:, None], walk.tokens], dim=1).tolist()
             counts = [row[0] for row in host]
             self.cache.commit(view, walk.path, counts, chain=spec.is_chain)
+            if self.auto is not None:
+                self.auto.observe(self.predicted, sum(counts) - len(counts))
         if self.drafter is not None:
             # Projecting the accepted nodes' features into drafter K/V is drafter model work.
             with self.clock.stage("draft"):
@@ -114,7 +122,14 @@ class ModelRunner:
         with self.clock.stage("tree"):
             if self.method == "dflash":
                 return build_chain(roots, logits)
-            return build_tree(roots, logits, self.budgets(roots.shape[0]))
+            spec = build_tree(roots, logits, self.budgets(roots.shape[0]))
+            if self.auto is not None:
+                # One extra host read per round: the window's size must be known to shrink it.
+                expected = expected_accepts(spec).tolist()
+                budget = self.auto.choose(expected, self.budgets(roots.shape[0]))
+                spec = truncate(spec, budget)
+                self.predicted = sum(row[min(budget, len(row)) - 1] for row in expected if row)
+            return spec
 
 
 def gather_nodes(x: Tensor, path: Tensor) -> Tensor:

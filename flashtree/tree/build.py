@@ -109,6 +109,8 @@ def build_tree(root_tokens: Tensor, draft_logits: Tensor, budget: int | Tensor) 
         depths=torch.cat([torch.zeros_like(root), depth.masked_fill(~keep, 1)], 1),
         sizes=1 + keep.sum(1),
         max_depth=min(D, bmax),
+        scores=torch.cat([torch.zeros_like(root, dtype=scores.dtype),
+                          torch.where(keep, scores.gather(1, flat), float("-inf"))], 1),
     )
 
 

@@ -21,6 +21,7 @@ class TreeSpec:
     sizes: Tensor  # [R] int64: real nodes per row, root included
     is_chain: bool = False  # every row is a plain chain (parents[i] = i-1) with no padding
     max_depth: int | None = None
+    scores: Tensor | None = None  # [R, N] drafter log-prob of each node's prefix (root 0, padding -inf)
 
     @property
     def num_nodes(self) -> int:
