@@ -263,9 +263,18 @@ class BlockDrafter(nn.Module):
 class LossOutput:
     loss: Tensor
     tokens: int  # labelled slots
-    slot_correct: Tensor  # [B-1] top-1 correct counts per slot
-    slot_count: Tensor  # [B-1] labelled counts per slot
-    accept: float  # mean over blocks of 1 + leading run of top-1 hits (a chain tau estimate)
+    blocks: int  # blocks with a label at slot 1
+    accept_sum: float  # sum over blocks of 1 + leading run of top-1 hits
+    inv_accept_sum: float  # sum over blocks of 1 / (1 + leading run)
+
+    @property
+    def tau_estimate(self) -> float:
+        """Harmonic mean of per-block acceptance: what the engine's tokens-per-round sees.
+
+        The engine spends one round per accept, so easy stretches (long accepts) count once per
+        round, not once per position; the plain mean over anchors overstates tau.
+        """
+        return self.blocks / max(self.inv_accept_sum, 1e-9)
 
 
 def block_loss(hidden: Tensor, labels: Tensor, lm_head: nn.Module, weights: Tensor) -> LossOutput:
@@ -280,10 +289,8 @@ def block_loss(hidden: Tensor, labels: Tensor, lm_head: nn.Module, weights: Tens
     with torch.no_grad():
         hit = torch.zeros_like(labels, dtype=torch.bool)
         hit[keep] = logits.argmax(-1) == target
-        run = hit.int().cumprod(-1).sum(-1)  # leading hits per block
-        blocks = keep[..., 0]
-        accept = float((1 + run[blocks].float()).mean()) if blocks.any() else 0.0
-    return LossOutput(loss, int(keep.sum()), hit.sum((0, 1)).cpu(), keep.sum((0, 1)).cpu(), accept)
+        accept = 1 + hit.int().cumprod(-1).sum(-1)[keep[..., 0]].double()  # per block, bonus included
+    return LossOutput(loss, int(keep.sum()), len(accept), float(accept.sum()), float((1 / accept).sum()))
 
 
 def init_drafter_weights(drafter: DFlashDrafter, std: float = 0.02, seed: int = 0) -> None:

@@ -101,7 +101,7 @@ def build_demo(cfg: DemoConfig) -> dict:
     print("== extract", flush=True)
     features = work / "features"
     extract(ExtractConfig(data=str(responses), out=str(features), target=cfg.target, layer_ids=cfg.layer_ids,
-                          shard_size=256, batch_size=16, store_dtype="float16", dtype="float32"))
+                          shard_size=256, batch_size=16, store_dtype="float32", dtype="float32"))
 
     print("== train", flush=True)
     run = work / "drafter"
@@ -116,7 +116,7 @@ def build_demo(cfg: DemoConfig) -> dict:
         shutil.copyfile(run / name, out / name)
     recipe = {"demo": {k: v for k, v in asdict(cfg).items() if k not in ("work", "target", "drafter_out", "plot")},
               "train": {k: summary.get(k) for k in ("steps", "train_seconds", "epochs", "final_loss",
-                                                   "final_accept_estimate", "torch", "python")}}
+                                                   "final_tau_estimate", "torch", "python")}}
 
     print("== eval", flush=True)
     results = evaluate(EvalConfig(target=cfg.target, drafter=str(out), limit=cfg.eval_limit,

@@ -316,7 +316,7 @@ def train(cfg: TrainConfig) -> dict:
         lr = cfg.lr * (lr_factor(step, total, cfg.warmup, cfg.min_lr_ratio) if total else (step + 1) / 100)
         for g in opt.param_groups:
             g["lr"] = lr
-        stats = torch.zeros(4, dtype=torch.float64)  # weighted loss sum, micro-batches, accept sum, tokens
+        stats = torch.zeros(6, dtype=torch.float64)  # loss sum, micro-batches, labels, blocks, accept, 1/accept
         for micro in range(cfg.grad_accum):
             rows = loader.next()
             gen = torch.Generator().manual_seed(hash((cfg.seed, step, micro, dd.rank)) & 0x7FFFFFFF)
@@ -333,7 +333,8 @@ def train(cfg: TrainConfig) -> dict:
                 hidden = ddp(batch.features, noise, batch.anchors)
                 res = block_loss(hidden, labels, target.lm_head, weights)
                 (res.loss / cfg.grad_accum).backward()
-            stats += torch.tensor([res.loss.item(), 1, res.accept, res.tokens], dtype=torch.float64)
+            stats += torch.tensor([res.loss.item(), 1, res.tokens, res.blocks, res.accept_sum, res.inv_accept_sum],
+                                  dtype=torch.float64)
             seen_tokens += res.tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
         opt.step()
@@ -353,13 +354,15 @@ def train(cfg: TrainConfig) -> dict:
                 print(f"calibrated: {elapsed / 10:.2f}s/step -> {total} steps", flush=True)
         if step % cfg.log_every == 0 or step == total:
             w = torch.stack(window).sum(0)
-            row = {"step": step, "lr": lr, "loss": float(w[0] / w[1]), "accept": float(w[2] / w[1]),
+            row = {"step": step, "lr": lr, "loss": float(w[0] / w[1]), "accept_mean": float(w[4] / w[3].clamp(min=1)),
+                   "tau_estimate": float(w[3] / w[5].clamp(min=1e-9)),
                    "grad_norm": float(grad_norm), "epoch": round(loader.epochs_done, 3),
                    "labels_per_s": seen_tokens * dd.world / max(elapsed, 1e-9), "elapsed_s": elapsed}
             log_rows.append(row)
             window = []
             if dd.main:
-                print(f"step {step}/{total} loss {row['loss']:.4f} accept~{row['accept']:.2f} lr {lr:.2e} "
+                print(f"step {step}/{total} loss {row['loss']:.4f} tau~{row['tau_estimate']:.2f} "
+                      f"(mean accept {row['accept_mean']:.2f}) lr {lr:.2e} "
                       f"|g| {row['grad_norm']:.2f} ep {row['epoch']:.2f} {row['labels_per_s']:.0f} labels/s "
                       f"{elapsed:.0f}s", flush=True)
         if step % cfg.save_every == 0 or step == total:
@@ -373,7 +376,7 @@ def train(cfg: TrainConfig) -> dict:
         summary = {"steps": step, "train_seconds": round(time.perf_counter() - t0, 1), "sequences": len(dataset),
                    "epochs": round(loader.epochs_done, 3), "world_size": dd.world, "layer_ids": layer_ids,
                    "final_loss": log_rows[-1]["loss"] if log_rows else None,
-                   "final_accept_estimate": log_rows[-1]["accept"] if log_rows else None,
+                   "final_tau_estimate": log_rows[-1]["tau_estimate"] if log_rows else None,
                    "torch": torch.__version__, "python": sys.version.split()[0],
                    "config": {k: v for k, v in asdict(cfg).items() if k != "extra"}}
         (out / "train_args.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -408,8 +411,8 @@ def plot_loss(rows: list[dict], png: Path) -> None:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("slot-weighted cross-entropy", color="C0")
     ax2 = ax.twinx()
-    ax2.plot(steps, [r["accept"] for r in rows], lw=1, color="C1", label="train accept estimate")
-    ax2.set_ylabel("1 + leading correct slots (train blocks)", color="C1")
+    ax2.plot(steps, [r["tau_estimate"] for r in rows], lw=1, color="C1", label="train tau estimate")
+    ax2.set_ylabel("tau estimate (teacher-forced, harmonic)", color="C1")
     ax.set_title("DFlash drafter training")
     ax.grid(alpha=0.3)
     fig.tight_layout()
