@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--suite", default="all", help="prompt file under flashtree/bench/prompts (prose, code) or all")
     p.add_argument("--target")
     p.add_argument("--drafter")
-    p.add_argument("--budget", type=int, default=64)
+    p.add_argument("--budget", default="64", help="ddtree tree budget: an integer or 'auto'")
     p.add_argument("--device")
     p.add_argument("--dtype")
     p.add_argument("--max-batch", type=int, default=16)
@@ -166,11 +166,12 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     for method in args.methods:
+        label = f"{method} B={args.budget}" if method == "ddtree" and not args.url else method
         if args.url:
-            rows += measure(args.url.rstrip("/"), method, args)
+            rows += measure(args.url.rstrip("/"), label, args)
         else:
             with spawn_server(args, method) as url:
-                rows += measure(url, method, args)
+                rows += measure(url, label, args)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
 
