@@ -28,7 +28,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn, device: torch.device, repeats: int = 3) -> float:
+def _time(fn, device: torch.device, repeats: int = 5) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -44,7 +44,10 @@ class AutoBudget:
     def __init__(self, max_budget: int, verify_seconds: dict[int, float], draft_seconds: float) -> None:
         self.max_budget = max_budget
         self.sizes = sorted(verify_seconds)
-        self.seconds = [verify_seconds[n] for n in self.sizes]
+        # True cost never falls as the window grows and noise only adds time, so each point
+        # is capped by every larger window's measurement.
+        seconds = [verify_seconds[n] for n in self.sizes]
+        self.seconds = [min(seconds[i:]) for i in range(len(seconds))]
         self.draft_seconds = draft_seconds
         self.calibration = 1.0
         self.candidates = [b for b in CANDIDATES if b < max_budget] + [max_budget]
