@@ -27,12 +27,12 @@ from pathlib import Path
 
 import httpx
 
-PROMPTS = Path(__file__).parents[1] / "flashtree" / "bench" / "prompts"
+def load_prompts(suite: str) -> list[str | list[int]]:
+    """A bench suite's prompts (text or token ids); "all" = the project's code + prose suites."""
+    from flashtree.bench.suites import BUILTIN, load_suite
 
-
-def load_prompts(suite: str) -> list[str]:
-    files = sorted(PROMPTS.glob("*.jsonl")) if suite == "all" else [PROMPTS / f"{suite}.jsonl"]
-    return [json.loads(line)["prompt"] for f in files for line in f.read_text().splitlines() if line.strip()]
+    suites = BUILTIN if suite == "all" else (suite,)
+    return [p.text if p.text is not None else p.token_ids for name in suites for p in load_suite(name)]
 
 
 def free_port() -> int:
@@ -83,7 +83,7 @@ def accept_stats(url: str) -> tuple[float, float]:
     return get("flashtree_accept_length_sum"), get("flashtree_accept_length_count")
 
 
-async def one(http: httpx.AsyncClient, url: str, model: str, prompt: str, args) -> tuple[float, float, int]:
+async def one(http: httpx.AsyncClient, url: str, model: str, prompt: str | list[int], args) -> tuple[float, float, int]:
     """Stream one completion; returns (latency, time to first token, completion tokens)."""
     body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "ignore_eos": args.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
@@ -106,7 +106,7 @@ async def one(http: httpx.AsyncClient, url: str, model: str, prompt: str, args) 
     return latency, latency if first is None else first, tokens
 
 
-async def run_load(url: str, model: str, prompts: list[str], concurrency: int, args) -> dict:
+async def run_load(url: str, model: str, prompts: list, concurrency: int, args) -> dict:
     todo = [prompts[i % len(prompts)] for i in range(args.requests)]
     results: list[tuple[float, float, int]] = []
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="stop at EOS (default: ignore it, so every request generates max-tokens)")
-    p.add_argument("--suite", default="all", help="prompt file under flashtree/bench/prompts (prose, code) or all")
+    p.add_argument("--suite", default="all", help="a bench suite (code, prose, a .jsonl file) or all = code + prose")
     p.add_argument("--target")
     p.add_argument("--drafter")
     p.add_argument("--budget", default="64", help="ddtree tree budget: an integer or 'auto'")

@@ -19,17 +19,16 @@ import openai
 import pytest
 
 from flashtree import EngineConfig, LLMEngine
+from flashtree.bench.suites import load_suite
 from flashtree.config import DEMO_DRAFTER, DEMO_TARGET
 from flashtree.server import BackgroundServer, build_app
 from tiny import make_drafter, make_target
 
-PROMPT_DIR = Path(__file__).parents[1] / "flashtree" / "bench" / "prompts"
 MAX_MODEL_LEN = 256
 
 
 def bench_prompts() -> list[str]:
-    lines = [json.loads(x) for f in sorted(PROMPT_DIR.glob("*.jsonl")) for x in f.read_text().splitlines() if x]
-    return [x["prompt"] for x in lines]
+    return [p.text for suite in ("code", "prose") for p in load_suite(suite)]
 
 
 def model_pair(root: Path) -> tuple[str, str]:
