@@ -205,14 +205,18 @@ def test_bench_command_on_tiny_pair(pair, tmp_path, capsys):
     prompts.write_text("".join(json.dumps({"prompt_ids": [3 + i, 7, 11, 2 * i]}) + "\n" for i in range(3)))
     out = tmp_path / "out"
     rc = main(["bench", "--target", str(pair[0]), "--drafter", str(pair[1]), "--quick", "--suites",
-               str(prompts), "--budgets", "4,16", "--num-prompts", "2",
+               str(prompts), "--budgets", "16,4,auto", "--num-prompts", "2",
                "--max-tokens", "12", "--out", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
     assert "| suite | T | method |" in table and "ddtree" in table
     data = check_outputs(out, {"ar", "dflash", "ddtree"})
-    assert data["spec"]["budgets"] == [4, 16] and data["spec"]["temperatures"] == [0.0, 1.0]
-    assert len(data["cells"]) == 2 * 4  # 2 temperatures x (ar, dflash, ddtree-4, ddtree-16)
+    assert data["spec"]["budgets"] == [16, 4, "auto"] and data["spec"]["temperatures"] == [0.0, 1.0]
+    # 2 temperatures x (ar, dflash, ddtree-4, ddtree-16, ddtree-auto), in that order
+    assert [c["label"] for c in data["cells"]][:5] == ["ar", "dflash", "ddtree-4", "ddtree-16", "ddtree-auto"]
+    assert len(data["cells"]) == 2 * 5
+    auto = [c for c in data["cells"] if c["budget"] == "auto"]
+    assert all(c["tree_nodes"] is None and c["predicted_speedup"] is None and c["speedup"] for c in auto)
 
 
 def test_bench_command_rejects_bad_input(pair, tmp_path, capsys):
@@ -222,6 +226,9 @@ def test_bench_command_rejects_bad_input(pair, tmp_path, capsys):
     assert main(base + ["--budgets", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("flashtree: error:") == 3 and "Traceback" not in err
+    with pytest.raises(SystemExit):  # argparse: not a budget
+        main(base + ["--budgets", "8,big"])
+    assert "integers or 'auto'" in capsys.readouterr().err
 
 
 DEMO_READY = (DEMO_TARGET / "config.json").is_file() and (DEMO_DRAFTER / "config.json").is_file()

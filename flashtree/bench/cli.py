@@ -15,19 +15,20 @@ FULL = dict(budgets=[4, 8, 16, 32, 64, 128, 256, 512, 1024], temperatures=[0.0, 
             max_tokens=128, num_prompts=10, cost_repeats=9, cost_dense=True)
 
 
-def _list(kind):
+def _list(kind, name: str | None = None):
     def parse(text: str) -> list:
         try:
-            return [kind(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
+            return [kind(x.strip()) for x in text.split(",") if x.strip()]
+        except (ValueError, argparse.ArgumentTypeError):
+            what = name or kind.__name__
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {text!r}") from None
 
     return parse
 
 
 def register(subparsers) -> None:
     from flashtree.bench.suites import suite_names
-    from flashtree.cli import add_engine_args
+    from flashtree.cli import add_engine_args, parse_budget
 
     p = subparsers.add_parser(
         "bench", help="measure tau, speedup and where the time goes", conflict_handler="resolve",
@@ -37,8 +38,8 @@ def register(subparsers) -> None:
     add_engine_args(p)
     # --methods/--budgets replace the single-engine --method/--budget (kept as aliases).
     p.add_argument("--methods", "--method", type=_list(str), default=None, help="default ar,dflash,ddtree")
-    p.add_argument("--budgets", "--budget", type=_list(int), default=None,
-                   help="ddtree budgets (default 4,8,...,1024; --quick 8,32,128)")
+    p.add_argument("--budgets", "--budget", type=_list(parse_budget, "integers or 'auto'"), default=None,
+                   help="ddtree budgets, 'auto' included if wanted (default 4,8,...,1024; --quick 8,32,128)")
     p.add_argument("--temperatures", type=_list(float), default=None, help="default 0,1")
     p.add_argument("--suites", type=_list(str), default=None,
                    help=f"{', '.join(suite_names())}, or a .jsonl path (default code,prose)")

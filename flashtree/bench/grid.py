@@ -37,7 +37,7 @@ class BenchSpec:
     device: str | None = None
     dtype: str | None = None
     methods: list[str] = field(default_factory=lambda: list(METHODS))
-    budgets: list[int] = field(default_factory=lambda: list(DEFAULT_BUDGETS))
+    budgets: list[int | str] = field(default_factory=lambda: list(DEFAULT_BUDGETS))  # ints, or "auto"
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     suites: list[str] = field(default_factory=lambda: ["code", "prose"])
     max_tokens: int = 128
@@ -56,8 +56,12 @@ class BenchSpec:
             raise FlashtreeError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
         if "ddtree" in self.methods and not self.budgets:
             raise FlashtreeError("ddtree needs at least one budget (--budgets 16,64)")
-        if any(not 1 <= b <= 1024 for b in self.budgets):
-            raise FlashtreeError(f"budgets must be in 1..1024, got {self.budgets}")
+        if any(b != "auto" and not (isinstance(b, int) and 1 <= b <= 1024) for b in self.budgets):
+            raise FlashtreeError(f"budgets must be integers in 1..1024 or 'auto', got {self.budgets}")
+
+    @property
+    def fixed_budgets(self) -> list[int]:
+        return sorted({b for b in self.budgets if b != "auto"})
         if any(t < 0 for t in self.temperatures) or not self.temperatures:
             raise FlashtreeError(f"temperatures must be >= 0, got {self.temperatures}")
         if self.max_tokens < 1 or self.num_prompts < 1 or self.warmup < 0 or self.cost_repeats < 1:
@@ -69,18 +73,19 @@ class BenchSpec:
 @dataclass(frozen=True)
 class Cell:
     method: str
-    budget: int | None = None  # ddtree only
+    budget: int | str | None = None  # ddtree only: an int or "auto"
 
     @property
     def label(self) -> str:
         return f"ddtree-{self.budget}" if self.method == "ddtree" else self.method
 
 
-def grid_cells(methods: list[str], budgets: list[int]) -> list[Cell]:
-    """ar first (the baseline), then dflash, then ddtree by budget."""
+def grid_cells(methods: list[str], budgets: list[int | str]) -> list[Cell]:
+    """ar first (the baseline), then dflash, then ddtree by budget, "auto" last."""
     cells = [Cell(m) for m in METHODS if m in methods and m != "ddtree"]
     if "ddtree" in methods:
-        cells += [Cell("ddtree", b) for b in sorted(set(budgets))]
+        cells += [Cell("ddtree", b) for b in sorted({b for b in budgets if b != "auto"})]
+        cells += [Cell("ddtree", "auto")] if "auto" in budgets else []
     return cells
 
 
@@ -99,7 +104,7 @@ class BenchResult:
     load_average_start: list[float] | None = None  # 1/5/15-min load when the run began (shared boxes)
 
 
-def _engine_config(spec: BenchSpec, method: str, budget: int | None, max_model_len: int | None) -> EngineConfig:
+def _engine_config(spec: BenchSpec, method: str, budget: int | str | None, max_model_len: int | None) -> EngineConfig:
     return EngineConfig(target=spec.target, drafter=spec.drafter, method=method, budget=budget or 64,
                         device=spec.device, dtype=spec.dtype, max_batch=1, max_model_len=max_model_len,
                         stage_timing=spec.stage_sync)
@@ -153,7 +158,7 @@ def build_engines(spec: BenchSpec, cells: list[Cell], prompts: dict[str, list[Pr
     if drafting and spec.target is None and spec.drafter is None and not DEMO_DRAFTER.is_dir():
         raise FlashtreeError(f"the demo drafter is not there yet ({DEMO_DRAFTER}); pass --drafter, "
                              "or measure the target alone with --methods ar")
-    base = LLMEngine(_engine_config(spec, "ddtree" if drafting else "ar", max(spec.budgets, default=64), None))
+    base = LLMEngine(_engine_config(spec, "ddtree" if drafting else "ar", max(spec.fixed_budgets, default=64), None))
     limit = base.config.max_model_len
     room = limit - spec.max_tokens - 1
     if room < 1:
@@ -200,10 +205,10 @@ def measure_cost(spec: BenchSpec, cells: list[Cell], loaded: Loaded, block_size:
     lengths = [len(x) for xs in loaded.ids.values() for x in xs]
     # Spans every requested budget even when ddtree is not run: an ar-only run still shows
     # what trees would cost.
-    max_nodes = max([b + 1 for b in spec.budgets] + [block_size])
+    max_nodes = max([b + 1 for b in spec.fixed_budgets] + [block_size])
     context = spec.cost_context or int(statistics.median(lengths)) + spec.max_tokens // 2
     context = max(1, min(context, loaded.limit - max_nodes))
-    tree_sizes = curve_sizes(max_nodes, spec.budgets, spec.cost_dense)
+    tree_sizes = curve_sizes(max_nodes, spec.fixed_budgets, spec.cost_dense)
     chain_sizes = sorted({1} | ({block_size} if any(c.method == "dflash" for c in cells) else set()))
     bar = tqdm(total=(len(tree_sizes) + len(chain_sizes)) * spec.cost_repeats, desc="cost curve", unit="fwd",
                file=sys.stderr, disable=not progress, dynamic_ncols=True)
@@ -232,9 +237,12 @@ def run_bench(spec: BenchSpec, progress: bool = True) -> BenchResult:
                        str(engine.dtype).removeprefix("torch."), time.perf_counter() - t_start, load_start)
 
 
-def tree_nodes(cell: Cell, block_size: int) -> int:
-    """Nodes the target verifies per round: the root alone, the DFlash block, or budget + root."""
-    return {"ar": 1, "dflash": block_size}.get(cell.method, (cell.budget or 0) + 1)
+def tree_nodes(cell: Cell, block_size: int) -> int | None:
+    """Nodes the target verifies per round: the root alone, the DFlash block, or budget + root
+    (None for "auto", whose size changes from round to round)."""
+    if cell.method == "ddtree":
+        return None if cell.budget == "auto" else int(cell.budget) + 1
+    return {"ar": 1, "dflash": block_size}[cell.method]
 
 
 def summarize_all(suites: list[str], temperatures: list[float], cells: list[Cell], records: dict,

@@ -120,7 +120,7 @@ class CellSummary:
     suite: str
     temperature: float
     method: str
-    budget: int | None
+    budget: int | str | None  # ddtree: an int or "auto"
     requests: int
     rounds: int
     output_tokens: int
@@ -134,7 +134,7 @@ class CellSummary:
     outside_rounds_share: float
     accept_counts: list[int]
     accept_fractions: list[float]
-    tree_nodes: int  # verified nodes per round: 1 (ar), L (dflash), B+1 (ddtree)
+    tree_nodes: int | None  # verified nodes per round: 1 (ar), L (dflash), B+1 (ddtree), None (auto)
     speedup: float | None = None  # wall tokens/s vs ar, same suite and temperature
     decode_speedup: float | None = None  # rounds only: tau/T_round vs ar's
     predicted_speedup: float | None = None  # from the cost curve's T_verify(tree_nodes)
@@ -146,7 +146,7 @@ class CellSummary:
         return f"ddtree-{self.budget}" if self.method == "ddtree" else self.method
 
 
-def summarize(suite: str, temperature: float, method: str, budget: int | None, tree_nodes: int,
+def summarize(suite: str, temperature: float, method: str, budget: int | str | None, tree_nodes: int | None,
               records: list[RequestRecord], max_len: int) -> CellSummary:
     per_round = stage_seconds_per_round(records)
     counts = accept_histogram(records, max_len)
@@ -189,12 +189,14 @@ def compare_to_ar(cells: list[CellSummary], verify_ms: Callable[[str, int, float
     ar = {(c.suite, c.temperature): c for c in cells if c.method == "ar"}
     for c in cells:
         base = ar.get((c.suite, c.temperature))
+        if base is not None:
+            c.speedup = speedup(c.tokens_per_s, base.tokens_per_s)
+            c.decode_speedup = decode_speedup(c.tau, c.round_ms, base.round_ms, base.tau)
+        if c.tree_nodes is None:  # budget "auto": no single tree size to read off the curve
+            continue
         c.predicted_verify_ms = verify_ms(c.method, c.tree_nodes, c.temperature)
         t_ar = verify_ms("ar", 1, c.temperature) + (base.stage_ms_per_round["commit"] if base is not None else 0.0)
         draft = c.stage_ms_per_round["draft"]
         over = c.stage_ms_per_round["tree"] + c.stage_ms_per_round["commit"]
         if c.tau > 0 and t_ar > 0:
             c.predicted_speedup = predicted_speedup(c.tau, t_ar, draft, c.predicted_verify_ms, over)
-        if base is not None:
-            c.speedup = speedup(c.tokens_per_s, base.tokens_per_s)
-            c.decode_speedup = decode_speedup(c.tau, c.round_ms, base.round_ms, base.tau)

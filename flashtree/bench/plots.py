@@ -40,7 +40,10 @@ def _vs_budget(result: BenchResult, path: Path, value, predicted=None, ylabel: s
     for t, ax in axes:
         for i, suite in enumerate(_suites(result)):
             color = colors[i % len(colors)]
-            tree = _cells(result, suite, t, "ddtree")
+            tree = [c for c in _cells(result, suite, t, "ddtree") if c.budget != "auto"]
+            for c in _cells(result, suite, t, "ddtree"):
+                if c.budget == "auto" and value(c) is not None:
+                    ax.axhline(value(c), color=color, ls="-.", lw=1, label=f"{suite} ddtree auto")
             if tree:
                 xs = [c.budget for c in tree]
                 ax.plot(xs, [_nan(value(c)) for c in tree], "o-", color=color, label=f"{suite} ddtree")

@@ -108,7 +108,10 @@ def best_budgets(cells: list[CellSummary]) -> list[str]:
             groups.setdefault((c.suite, c.temperature), []).append(c)
     for (suite, t), cs in groups.items():
         meas = max(cs, key=lambda c: c.speedup if c.speedup is not None else c.tokens_per_s)
-        pred = max(cs, key=lambda c: c.predicted_speedup or 0.0)
+        fixed = [c for c in cs if c.predicted_speedup is not None]
+        if not fixed:
+            continue
+        pred = max(fixed, key=lambda c: c.predicted_speedup)
         lines.append(f"{suite} T={t:g}: best measured B={meas.budget} ({_f(meas.speedup, 2, 'x')}, tau {meas.tau:.2f}); "
                      f"best predicted B={pred.budget} ({_f(pred.predicted_speedup, 2, 'x')})")
     return lines
