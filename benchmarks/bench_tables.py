@@ -79,7 +79,10 @@ def main() -> None:
     data = json.loads(Path(args.results).read_text())
     suite = args.suite if any(c["suite"] == args.suite for c in data["cells"]) else data["cells"][0]["suite"]
     cells = cells_of(data, suite)
-    print(environment_line(data), "\n")
+    print(environment_line(data))
+    for k, v in (data.get("models") or {}).items():
+        print(f"{k}: {v['path']} (weights sha256 {v['sha256']})")
+    print()
     print(f"Suite: {suite}\n")
     print(markdown_table(cells), "\n")
     print(f"Cost curve at context {data['cost_curve']['context_len']} (fastest of {data['cost_curve']['repeats']}):\n")

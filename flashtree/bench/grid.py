@@ -9,11 +9,13 @@ requests first; they are not recorded.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
@@ -102,6 +104,7 @@ class BenchResult:
     dtype: str
     seconds: float
     load_average_start: list[float] | None = None  # 1/5/15-min load when the run began (shared boxes)
+    models: dict = field(default_factory=dict)  # which checkpoints ran: directory + weights digest
 
 
 def _engine_config(spec: BenchSpec, method: str, budget: int | str | None, max_model_len: int | None) -> EngineConfig:
@@ -232,9 +235,26 @@ def run_bench(spec: BenchSpec, progress: bool = True) -> BenchResult:
     summaries = summarize_all(suites, spec.temperatures, cells, records, block_size)
     compare_to_ar(summaries, cost.verify_ms)
     engine = next(iter(loaded.engines.values()))
+    models = {"target": checkpoint_id(loaded.target)}
+    if loaded.drafter is not None:
+        models["drafter"] = checkpoint_id(loaded.drafter)
     return BenchResult(spec, suites, summaries, records, cost, block_size,
                        {s: [len(x) for x in xs] for s, xs in loaded.ids.items()}, str(engine.device),
-                       str(engine.dtype).removeprefix("torch."), time.perf_counter() - t_start, load_start)
+                       str(engine.dtype).removeprefix("torch."), time.perf_counter() - t_start, load_start, models)
+
+
+def checkpoint_id(module) -> dict:
+    """Where a loaded model came from and a digest of its weights, so a result names its checkpoint
+    (the demo pair is retrained from time to time)."""
+    src = getattr(module, "source_dir", None)
+    if src is None:
+        return {"path": None, "sha256": None}
+    digest = hashlib.sha256()
+    for f in sorted(Path(src).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return {"path": str(src), "sha256": digest.hexdigest()[:16]}
 
 
 def tree_nodes(cell: Cell, block_size: int) -> int | None:

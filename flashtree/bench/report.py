@@ -124,7 +124,9 @@ def markdown_report(result: BenchResult, env: dict) -> str:
     head = (f"flashtree bench: {env['device_name']} ({result.device}, {result.dtype}, {env['torch_threads']} threads), "
             f"{len(lengths)} prompts ({min(lengths)}-{max(lengths)} tokens), max_tokens {spec.max_tokens}, "
             f"block {result.block_size}, {result.seconds:.0f} s")
-    parts = [head, "", markdown_table(result.cells), ""]
+    names = ", ".join(f"{k} {Path(v['path']).name if v['path'] else '?'} ({(v['sha256'] or '?')[:8]})"
+                      for k, v in result.models.items())
+    parts = [head, f"models: {names}" if names else "", "", markdown_table(result.cells), ""]
     if ar:
         parts.append("T_ar_step (measured ar round): " + ", ".join(f"{c.suite} T={c.temperature:g}: {c.round_ms:.2f} ms"
                                                                     for c in ar))
@@ -147,6 +149,7 @@ def to_json(result: BenchResult, env: dict, argv: list[str] | None = None) -> di
         "block_size": result.block_size,
         "seconds": result.seconds,
         "load_average_start": result.load_average_start,
+        "models": result.models,
         "prompt_tokens": result.prompt_tokens,
         "cells": [{"label": c.label, **asdict(c)} for c in result.cells],
         "cost_curve": result.cost.as_dict(),
