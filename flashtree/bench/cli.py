@@ -9,9 +9,9 @@ from pathlib import Path
 from flashtree.errors import FlashtreeError
 
 # --quick: about a minute on a laptop CPU with the demo pair; explicit flags still win.
-QUICK = dict(budgets=[8, 32, 128], temperatures=[0.0, 1.0], suites=["code", "prose"], max_tokens=64,
+QUICK = dict(budgets=[8, 32, 128, "auto"], temperatures=[0.0, 1.0], suites=["code", "prose"], max_tokens=64,
              num_prompts=3, cost_repeats=5, cost_dense=False)
-FULL = dict(budgets=[4, 8, 16, 32, 64, 128, 256, 512, 1024], temperatures=[0.0, 1.0], suites=["code", "prose"],
+FULL = dict(budgets=[4, 8, 16, 32, 64, 128, 256, 512, 1024, "auto"], temperatures=[0.0, 1.0], suites=["code", "prose"],
             max_tokens=128, num_prompts=10, cost_repeats=9, cost_dense=True)
 
 
@@ -39,7 +39,7 @@ def register(subparsers) -> None:
     # --methods/--budgets replace the single-engine --method/--budget (kept as aliases).
     p.add_argument("--methods", "--method", type=_list(str), default=None, help="default ar,dflash,ddtree")
     p.add_argument("--budgets", "--budget", type=_list(parse_budget, "integers or 'auto'"), default=None,
-                   help="ddtree budgets, 'auto' included if wanted (default 4,8,...,1024; --quick 8,32,128)")
+                   help="ddtree budgets, integers or 'auto' (default 4,8,...,1024,auto; --quick 8,32,128,auto)")
     p.add_argument("--temperatures", type=_list(float), default=None, help="default 0,1")
     p.add_argument("--suites", type=_list(str), default=None,
                    help=f"{', '.join(suite_names())}, or a .jsonl path (default code,prose)")

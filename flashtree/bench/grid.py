@@ -27,7 +27,7 @@ from flashtree.engine import LLMEngine
 from flashtree.errors import FlashtreeError
 from flashtree.sampling import SamplingParams
 
-DEFAULT_BUDGETS = [4, 8, 16, 32, 64, 128, 256, 512, 1024]
+DEFAULT_BUDGETS: list[int | str] = [4, 8, 16, 32, 64, 128, 256, 512, 1024, "auto"]
 
 
 @dataclass
