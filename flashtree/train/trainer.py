@@ -95,6 +95,8 @@ def init_distributed(device: torch.device | None) -> tuple[Dist, torch.device]:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
         device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
+    elif device.type == "cuda" and device.index is None:
+        device = torch.device(f"cuda:{local}")  # one GPU per rank
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
