@@ -121,3 +121,27 @@ def test_budget_1024_block_16(models, reference):
     target, drafters = models
     outs = generate(target, drafters[16], "ddtree", 1024, PROMPTS[:2], SamplingParams(max_tokens=48, ignore_eos=True))
     assert [o.token_ids for o in outs] == reference[:2]
+
+
+def test_incremental_detokenization_equals_full_decode():
+    """Text built round by round (any chunking, characters split across tokens) == one decode."""
+    from flashtree.config import DEMO_TARGET
+    from flashtree.engine.llm_engine import LLMEngine, load_tokenizer
+    from flashtree.engine.sequence import Request
+
+    tok = load_tokenizer(DEMO_TARGET)
+    if tok is None:
+        pytest.skip("the demo tokenizer is not built yet")
+    engine = LLMEngine.__new__(LLMEngine)
+    engine.tokenizer = tok
+    text = "déjà vu — 中文字符 and emoji 🙂 in code: x = 'ü'\n"
+    ids = tok.encode(text, add_special_tokens=False)
+    for chunk in (1, 2, 3, 7):
+        req = Request([1], SamplingParams())
+        pieces = []
+        for i in range(0, len(ids), chunk):
+            req.output_ids.extend(ids[i : i + chunk])
+            piece = engine._detokenize(req, final=i + chunk >= len(ids))
+            assert "\ufffd" not in piece
+            pieces.append(piece)
+        assert "".join(pieces) == text

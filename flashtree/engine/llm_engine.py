@@ -156,6 +156,22 @@ class LLMEngine:
             outputs.append(self._emit(req, tokens))
         return outputs
 
+    def _detokenize(self, req: Request, final: bool) -> str:
+        """Text of the tokens not yet decoded, decoding only a short window (not the whole output).
+
+        Decoding ids[prefix:] and subtracting ids[prefix:read] keeps tokenizers that drop a
+        leading space at a sequence start right; a trailing partial UTF-8 character is held back
+        until a later round completes it.
+        """
+        ids = req.output_ids
+        decode = self.tokenizer.decode
+        prefix_text = decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=True)
+        full = decode(ids[req.prefix_offset:], skip_special_tokens=True)
+        if full.endswith("\ufffd") and not final:
+            return ""
+        req.prefix_offset, req.read_offset = req.read_offset, len(ids)
+        return full[len(prefix_text):]
+
     def _emit(self, req: Request, tokens: list[int]) -> StepOutput:
         """Append a round's tokens, trimming exactly at EOS, stop ids, stop strings or limits."""
         params = req.params
@@ -174,13 +190,12 @@ class LLMEngine:
         req.output_ids.extend(new)
         old_text = req.text
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+            text = req.text + self._detokenize(req, final=reason is not None)
             if params.stop:
                 text, hit = trim_stop(text, params.stop, max(0, len(old_text) - max(map(len, params.stop))))
                 if hit:
                     reason = "stop"
-            # Hold back a trailing partial UTF-8 character until the next round completes it.
-            req.text = text if reason or not text.endswith("\ufffd") else req.text
+            req.text = text
         delta = req.text[len(old_text):]
         if reason is None:
             req.bonus = tokens[-1]

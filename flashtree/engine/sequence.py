@@ -65,6 +65,8 @@ class Request:
     slot: int = -1
     bonus: int = -1  # the next round's root: sampled by the target, not yet in the cache
     text: str = ""
+    prefix_offset: int = 0  # incremental detokenization window: ids[prefix_offset:read_offset]
+    read_offset: int = 0  # was decoded last round
     stats: RequestStats = field(default_factory=RequestStats)
     generator: torch.Generator | None = None
 
