@@ -64,7 +64,8 @@ def _demo(a: argparse.Namespace) -> None:
     from flashtree.train.demo import DemoConfig, build_demo
 
     cfg = DemoConfig(work=a.work, build_target=not a.skip_target, target_minutes=a.target_minutes,
-                     prompts=a.prompts, train_minutes=a.minutes, train_steps=a.steps, threads=a.threads,
+                     prompts=a.prompts, train_minutes=a.minutes, train_steps=None if a.minutes else a.steps,
+                     threads=a.threads,
                      seed=a.seed)
     build_demo(cfg)
 
@@ -160,9 +161,9 @@ def register(subparsers) -> None:
     p.add_argument("--work", default="runs/demo")
     p.add_argument("--skip-target", action="store_true", help="reuse the demo target already built")
     p.add_argument("--target-minutes", type=float, default=35.0)
-    p.add_argument("--prompts", type=int, default=3000)
-    p.add_argument("--minutes", type=float, default=35.0, help="drafter training budget")
-    p.add_argument("--steps", type=int, help="exact drafter steps (overrides --minutes)")
+    p.add_argument("--prompts", type=int, default=5000, help="training prompts cut from the corpus train split")
+    p.add_argument("--steps", type=int, default=1200, help="drafter optimizer steps (the shipped drafter: 1200)")
+    p.add_argument("--minutes", type=float, help="drafter time budget instead of --steps")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_demo)

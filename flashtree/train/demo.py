@@ -27,8 +27,8 @@ class DemoConfig:
     plot: str = str(REPO / "docs" / "figures" / "demo_drafter_loss.png")
     build_target: bool = True  # False: reuse the target already at `target`
     target_minutes: float = 35.0
-    prompts: int = 3000
-    prose_fraction: float = 0.33
+    prompts: int = 5000
+    prose_fraction: float = 0.45
     max_tokens: int = 128
     regen_method: str = "ar"  # the first drafter cannot draft for its own data
     regen_drafter: str | None = None
@@ -38,9 +38,9 @@ class DemoConfig:
     max_anchors: int = 512
     batch_size: int = 4
     lr: float = 6e-4
-    train_minutes: float | None = 35.0
-    train_steps: int | None = None  # overrides train_minutes (exact reproduction)
-    save_dtype: str = "float32"
+    train_steps: int | None = 1200  # ~40 min on one uncontended CPU thread
+    train_minutes: float | None = None  # used when train_steps is None
+    save_dtype: str = "bfloat16"  # keeps target + drafter under 30 MB
     threads: int = 1
     seed: int = 0
     eval_limit: int | None = None
@@ -63,8 +63,9 @@ def training_prompts(n: int, prose_fraction: float, seed: int) -> list[dict]:
     rng.shuffle(code)
     rng.shuffle(prose)
     n_prose = min(len(prose), int(round(n * prose_fraction)))
-    picked = [("prose", x) for x in prose[:n_prose]] + [("code", x) for x in code[: n - n_prose]]
-    return [{"id": f"{kind}-{i:05d}", "prompt": p, "source": path} for i, (kind, (path, p)) in enumerate(picked)]
+    rows = [{"id": f"prose-{i:05d}", "prompt": p, "source": path} for i, (path, p) in enumerate(prose[:n_prose])]
+    rows += [{"id": f"code-{i:05d}", "prompt": p, "source": path} for i, (path, p) in enumerate(code[: n - n_prose])]
+    return rows  # ids are stable per kind: a larger n keeps every smaller run's ids (regenerate resumes)
 
 
 def build_demo(cfg: DemoConfig) -> dict:
@@ -96,7 +97,7 @@ def build_demo(cfg: DemoConfig) -> dict:
     responses = work / "responses.jsonl"
     regenerate(RegenerateConfig(prompts=str(prompts), out=str(responses), target=cfg.target,
                                 drafter=cfg.regen_drafter, method=cfg.regen_method, max_tokens=cfg.max_tokens,
-                                temperature=0.0, chunk=64, max_batch=16, dtype="float32"))
+                                temperature=0.0, chunk=128, max_batch=32, dtype="float32"))
 
     print("== extract", flush=True)
     features = work / "features"
