@@ -71,8 +71,8 @@ def test_summaries_compare_to_ar():
     ar = [rec("p0", [1] * 10, 1.0, {"prefill": 0.1, "draft": 0.0, "tree": 0.0, "verify": 0.08, "commit": 0.02}, [1])]
     tree = [rec("p0", [4, 4, 2], 0.5, {"prefill": 0.1, "draft": 0.06, "tree": 0.03, "verify": 0.18, "commit": 0.03}, [1])]
     cells = [m.summarize("s", 0.0, "ar", None, 1, ar, 8), m.summarize("s", 0.0, "ddtree", 16, 17, tree, 8)]
-    # The curve: 1 node 8 ms, 17 nodes 50 ms.
-    m.compare_to_ar(cells, lambda method, nodes, t: {1: 8.0, 17: 50.0}[nodes])
+    # The curve, timed alone: 1 node 4 ms, 17 nodes 25 ms; the run's ar verify (8 ms) sets the scale x2.
+    m.compare_to_ar(cells, lambda method, nodes, t: {1: 4.0, 17: 25.0}[nodes])
     a, d = cells
     assert a.round_ms == pytest.approx(10.0) and d.round_ms == pytest.approx(100.0)
     assert d.tau == pytest.approx(10 / 3)
@@ -80,11 +80,20 @@ def test_summaries_compare_to_ar():
     assert d.overhead_share == pytest.approx(0.2)
     assert d.speedup == pytest.approx((10 / 0.5) / (10 / 1.0))
     assert d.decode_speedup == pytest.approx((10 / 3 / 100.0) / (1 / 10.0))
-    # T_ar_step = curve(1) + ar commit = 8 + 2; denominator = draft 20 + curve(17) 50 + overhead 20
+    # T_ar_step = ar's round 10; denominator = draft 20 + 2 x curve(17) 50 + overhead 20
     assert d.predicted_verify_ms == 50.0
     assert d.predicted_speedup == pytest.approx((10 / 3) * 10.0 / 90.0)
     assert a.predicted_speedup == pytest.approx(1.0) and a.speedup == pytest.approx(1.0)
     assert d.accept_counts == [0, 1, 0, 2, 0, 0, 0, 0] and d.label == "ddtree-16"
+
+
+def test_prediction_without_ar_uses_the_curve_as_is():
+    tree = [rec("p0", [3, 3], 1.0, {"prefill": 0.0, "draft": 0.002, "tree": 0.001, "verify": 0.1, "commit": 0.001})]
+    (d,) = cells = [m.summarize("s", 0.0, "ddtree", 8, 9, tree, 8)]
+    m.compare_to_ar(cells, lambda method, nodes, t: {1: 2.0, 9: 4.0}[nodes])
+    # T_ar_step = curve(1) = 2; denominator = draft 1 + curve(9) 4 + overhead 1 -> 3 * 2 / 6
+    assert d.speedup is None and d.predicted_verify_ms == 4.0
+    assert d.predicted_speedup == pytest.approx(1.0)
 
 
 def test_match_fraction():
