@@ -411,7 +411,8 @@ def plot_loss(rows: list[dict], png: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r["loss"] for r in rows], lw=1, color="C0", label="weighted CE")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("slot-weighted cross-entropy", color="C0")
+    ax.set_ylabel("slot-weighted cross-entropy (log)", color="C0")
+    ax.set_yscale("log")  # the first steps start far above the rest
     ax2 = ax.twinx()
     ax2.plot(steps, [r["tau_estimate"] for r in rows], lw=1, color="C1", label="train tau estimate")
     ax2.set_ylabel("tau estimate (teacher-forced, harmonic)", color="C1")
