@@ -202,8 +202,16 @@ def pick_backend(backend: str, device: torch.device) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}")
     if backend == "auto":
-        return "flex" if device.type == "cuda" else "split"
+        return "flex" if device.type == "cuda" and has_flex() else "split"
     return backend
+
+
+def has_flex() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:  # torch < 2.5
+        return False
+    return True
 
 
 # backend -> (mask builder, attention); the mask is built once per forward and window.

@@ -20,7 +20,7 @@ import random
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -70,7 +70,6 @@ class TrainConfig:
     resume: bool = True
     stop_after: int | None = None  # stop (with a checkpoint) after this many steps this run: tests simulate a kill
     plot: str | None = None  # loss-curve PNG (default OUT/loss.png)
-    extra: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------- distributed
@@ -380,7 +379,7 @@ def train(cfg: TrainConfig) -> dict:
                    "final_loss": log_rows[-1]["loss"] if log_rows else None,
                    "final_tau_estimate": log_rows[-1]["tau_estimate"] if log_rows else None,
                    "torch": torch.__version__, "python": sys.version.split()[0],
-                   "config": {k: v for k, v in asdict(cfg).items() if k != "extra"}}
+                   "config": asdict(cfg)}
         (out / "train_args.json").write_text(json.dumps(summary, indent=2) + "\n")
         if log_rows:
             plot_loss(log_rows, Path(cfg.plot) if cfg.plot else out / "loss.png")
