@@ -153,6 +153,7 @@ class Loaded:
     target: object
     drafter: object
     limit: int  # the target's usable context
+    models: dict  # checkpoint ids, taken when the weights were read
 
 
 def build_engines(spec: BenchSpec, cells: list[Cell], prompts: dict[str, list[Prompt]]) -> Loaded:
@@ -170,7 +171,12 @@ def build_engines(spec: BenchSpec, cells: list[Cell], prompts: dict[str, list[Pr
     ids = {s: [encode_prompt(base, p)[-room:] for p in ps] for s, ps in prompts.items()}
     need = min(limit, max(len(x) for xs in ids.values() for x in xs) + spec.max_tokens + 1)
     engines = {c: LLMEngine(_engine_config(spec, c.method, c.budget, need), share_weights=base) for c in cells}
-    return Loaded(engines, ids, base.target, base.drafter, limit)
+    # Digest the weights now, right after reading them: a checkpoint replaced during the run
+    # must not be credited with the run's numbers.
+    models = {"target": checkpoint_id(base.target)}
+    if base.drafter is not None:
+        models["drafter"] = checkpoint_id(base.drafter)
+    return Loaded(engines, ids, base.target, base.drafter, limit, models)
 
 
 def measure_grid(spec: BenchSpec, cells: list[Cell], prompts: dict[str, list[Prompt]], loaded: Loaded,
@@ -235,12 +241,9 @@ def run_bench(spec: BenchSpec, progress: bool = True) -> BenchResult:
     summaries = summarize_all(suites, spec.temperatures, cells, records, block_size)
     compare_to_ar(summaries, cost.verify_ms)
     engine = next(iter(loaded.engines.values()))
-    models = {"target": checkpoint_id(loaded.target)}
-    if loaded.drafter is not None:
-        models["drafter"] = checkpoint_id(loaded.drafter)
     return BenchResult(spec, suites, summaries, records, cost, block_size,
                        {s: [len(x) for x in xs] for s, xs in loaded.ids.items()}, str(engine.device),
-                       str(engine.dtype).removeprefix("torch."), time.perf_counter() - t_start, load_start, models)
+                       str(engine.dtype).removeprefix("torch."), time.perf_counter() - t_start, load_start, loaded.models)
 
 
 def checkpoint_id(module) -> dict:
