@@ -116,6 +116,8 @@ def test_cost_point_lookup():
     assert curve.verify_ms("ddtree", 5) == pytest.approx(2.2)
     assert curve.verify_ms("dflash", 8) == pytest.approx(0.9)
     assert curve.verify_ms("ar", 1) == pytest.approx(0.5)
+    curve.chain[0] = CostPoint(1, 2.0, 2.0, {"0.0": 0.0})  # a noisy chain point: n = 1 takes the faster
+    assert curve.verify_ms("ar", 1) == pytest.approx(1.1) and curve.verify_ms("ddtree", 1) == pytest.approx(1.1)
 
 
 @pytest.fixture(scope="module")
