@@ -2,6 +2,8 @@
 
     python benchmarks/bench_tables.py runs/bench/default/results.json [--suite all]
 
+    python benchmarks/bench_tables.py results.json --plots docs/figures --prefix bench_default_
+
 Prints: the environment line, the per-cell table for one suite (default: pooled "all"), the
 cost curve at the budgets' window sizes, and per temperature the best budget measured and
 predicted. Everything comes from the JSON; nothing is re-measured.
@@ -75,8 +77,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("results")
     p.add_argument("--suite", default="all")
+    p.add_argument("--plots", metavar="DIR", help="also redraw the PNGs into DIR (from the JSON, no re-measuring)")
+    p.add_argument("--prefix", default="", help="file name prefix for --plots, e.g. bench_default_")
     args = p.parse_args()
     data = json.loads(Path(args.results).read_text())
+    if args.plots:
+        from flashtree.bench.plots import write_plots
+        from flashtree.bench.report import result_from_json
+
+        write_plots(result_from_json(data), Path(args.plots), args.prefix)
     suite = args.suite if any(c["suite"] == args.suite for c in data["cells"]) else data["cells"][0]["suite"]
     cells = cells_of(data, suite)
     print(environment_line(data))

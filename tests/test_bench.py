@@ -228,6 +228,14 @@ def test_bench_command_on_tiny_pair(pair, tmp_path, capsys):
     assert len(data["cells"]) == 2 * 5
     auto = [c for c in data["cells"] if c["budget"] == "auto"]
     assert all(c["tree_nodes"] is None and c["predicted_speedup"] is None and c["speedup"] for c in auto)
+    # The JSON holds enough to redraw every plot without measuring again.
+    from flashtree.bench.plots import write_plots
+    from flashtree.bench.report import result_from_json
+
+    again = result_from_json(data)
+    assert [c.label for c in again.cells] == [c["label"] for c in data["cells"]] and again.suites == ["ids"]
+    paths = write_plots(again, tmp_path, "re_")
+    assert sorted(p.name for p in paths) == sorted(f"re_{n}.png" for n in PNGS)
 
 
 def test_bench_command_rejects_bad_input(pair, tmp_path, capsys):

@@ -67,15 +67,16 @@ def _vs_budget(result: BenchResult, path: Path, value, predicted=None, ylabel: s
 
 
 def plot_accept_hist(result: BenchResult, path: Path) -> None:
-    """Pooled over suites: dflash and up to four ddtree budgets (smallest, largest, two between)."""
+    """Pooled over suites: dflash, auto, and at most three fixed budgets (smallest, fastest, largest)."""
     suite = "all" if len(result.suites) > 1 else result.suites[0]
     fig, axes = _by_temperature(result)
     for t, ax in axes:
         chosen = _cells(result, suite, t, "dflash")
-        tree = _cells(result, suite, t, "ddtree")
-        if len(tree) > 4:
-            tree = [tree[i] for i in sorted({0, len(tree) // 3, 2 * len(tree) // 3, len(tree) - 1})]
-        chosen += tree
+        tree = [c for c in _cells(result, suite, t, "ddtree") if c.budget != "auto"]
+        if len(tree) > 3:
+            best = max(range(len(tree)), key=lambda i: tree[i].speedup or tree[i].tokens_per_s)
+            tree = [tree[i] for i in sorted({0, best, len(tree) - 1})]
+        chosen += tree + [c for c in _cells(result, suite, t, "ddtree") if c.budget == "auto"]
         width = 0.8 / max(1, len(chosen))
         for j, c in enumerate(chosen):
             xs = [k + 1 + (j - (len(chosen) - 1) / 2) * width for k in range(len(c.accept_fractions))]
@@ -124,7 +125,8 @@ def plot_cost_curve(result: BenchResult, path: Path) -> None:
 
 
 def plot_stages(result: BenchResult, path: Path) -> None:
-    """Where one round's time goes, per cell (pooled suites, per temperature)."""
+    """Where one round's time goes, per cell: each stage's share of the round, with the round's
+    ms on top (absolute bars would be flattened by the largest budgets)."""
     suite = _suites(result)[-1]
     fig, axes = _by_temperature(result)
     stages = ("draft", "tree", "verify", "commit")
@@ -132,15 +134,18 @@ def plot_stages(result: BenchResult, path: Path) -> None:
         cells = [c for c in result.cells if c.suite == suite and c.temperature == t]
         bottom = [0.0] * len(cells)
         for s in stages:
-            vals = [c.stage_ms_per_round[s] for c in cells]
+            vals = [100 * c.stage_ms_per_round[s] / c.round_ms if c.round_ms else 0.0 for c in cells]
             ax.bar(range(len(cells)), vals, bottom=bottom, label=s)
             bottom = [b + v for b, v in zip(bottom, vals)]
+        for i, c in enumerate(cells):
+            ax.text(i, 101, f"{c.round_ms:.3g}", ha="center", va="bottom", fontsize=6, rotation=90)
         ax.set_xticks(range(len(cells)), [c.label.replace("ddtree-", "B=") for c in cells], rotation=60, fontsize=7)
-        ax.set_title(f"{suite}, temperature {t:g}")
+        ax.set_ylim(0, 125)
+        ax.set_title(f"{suite}, temperature {t:g} (ms per round on top)")
         ax.grid(alpha=0.3, axis="y")
-    axes[0][1].set_ylabel("ms per round")
-    axes[-1][1].legend(fontsize=7)
-    fig.tight_layout()
+    axes[0][1].set_ylabel("% of round time")
+    fig.legend(*axes[0][1].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

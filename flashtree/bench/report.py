@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from flashtree.bench.grid import BenchResult
+from flashtree.bench.cost import CostCurve, CostPoint
+from flashtree.bench.grid import BenchResult, BenchSpec
 from flashtree.bench.metrics import CellSummary
 
 REPO_DIR = Path(__file__).resolve().parents[2]
@@ -159,3 +160,21 @@ def to_json(result: BenchResult, env: dict, argv: list[str] | None = None) -> di
 
 def write_json(data: dict, path: Path) -> None:
     path.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
+
+
+def result_from_json(data: dict) -> BenchResult:
+    """A BenchResult back from results.json (summaries and cost curve; per-request records are left
+    out), so tables and plots can be redrawn without measuring again."""
+    fields = set(CellSummary.__dataclass_fields__)
+    cells = [CellSummary(**{k: v for k, v in c.items() if k in fields}) for c in data["cells"]]
+    cc = data["cost_curve"]
+
+    def points(rows: list[dict]) -> list[CostPoint]:
+        return [CostPoint(r["nodes"], r["forward_ms"], r.get("forward_median_ms", r["forward_ms"]), r["pick_ms"])
+                for r in rows]
+
+    cost = CostCurve(cc["context_len"], cc["repeats"], cc["depth"], points(cc["tree"]), points(cc["chain"]))
+    suites = list(dict.fromkeys(c.suite for c in cells if c.suite != "all"))
+    return BenchResult(BenchSpec(**data["spec"]), suites, cells, {}, cost, data["block_size"],
+                       data["prompt_tokens"], data["environment"]["device"], data["environment"]["dtype"],
+                       data["seconds"], data.get("load_average_start"), data.get("models") or {})
