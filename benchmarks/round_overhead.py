@@ -1,9 +1,11 @@
-"""Time per round split by stage, and the non-model overhead share, on a random pair.
+"""Time per round split by stage, and the non-model overhead share, on a random demo-sized pair,
+eager and (with --compile) compiled, the modes' passes interleaved.
 
-    python benchmarks/round_overhead.py --budgets 16 64 256 --threads 1
+    OMP_NUM_THREADS=1 python benchmarks/round_overhead.py --budgets 16 64 --compile
 
-Non-model overhead = tree build + ancestor mask + accept walk + commit (cache compaction and
-drafter context append are model-side work and are reported separately).
+Non-model overhead = tree build + ancestor mask + accept walk + commit (the drafter context
+append is drafter model work and counts under draft). Compile time is paid in a warm-up pass and
+reported separately; the engine leaves it out of stage times anyway.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from flashtree import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from flashtree.engine.compiled import Compiler  # noqa: E402
 from flashtree.models.context import ForwardContext  # noqa: E402
 from flashtree.tree import accept_walk, build_chain, build_tree  # noqa: E402
 from tiny import make_drafter, make_target  # noqa: E402
+
+STAGES = ("draft", "tree", "verify", "commit")
 
 
 def median_ms(fn, reps: int = 30) -> float:
@@ -35,9 +40,36 @@ def median_ms(fn, reps: int = 30) -> float:
     return 1000 * statistics.median(times)
 
 
+def run_once(engine: LLMEngine, prompt: list[int], max_tokens: int):
+    req = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    return req.stats
+
+
+def alone_ms(engine: LLMEngine, method: str, budget: int, args, compiled: bool) -> tuple[float, float]:
+    """Mask (the verify context: ancestor table + mask) and walk, timed alone on a round's shapes."""
+    compiler = Compiler(engine.device, compiled)
+    logits = torch.randn(1, args.block - 1, args.vocab)
+    spec = build_chain(torch.tensor([1]), logits) if method == "dflash" else build_tree(torch.tensor([1]), logits, budget)
+    cache = engine.runner.cache
+    cache.set_length(0, args.prompt_len)
+    key_len = engine.runner.key_len(ForwardContext.verify(cache, [0], spec).batch, spec.num_nodes)
+    context = compiler(lambda s, b: ForwardContext.verify(cache, b, s, key_len).mask)
+    batch = ForwardContext.verify(cache, [0], spec).batch
+    picks = torch.randint(0, args.vocab, (1, spec.num_nodes))
+    walk = compiler(accept_walk)
+    mask_ms, walk_ms = median_ms(lambda: context(spec, batch)), median_ms(lambda: walk(spec, picks))
+    cache.set_length(0, 0)
+    return mask_ms, walk_ms
+
+
+@torch.inference_mode()
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--compile", action="store_true", help="also run compiled engines, interleaved with eager")
+    ap.add_argument("--passes", type=int, default=3, help="timed passes per engine (after one warm-up pass)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=256)
@@ -54,32 +86,40 @@ def main() -> None:
                            block_size=args.block)
     prompt = [(7 * i) % (args.vocab - 2) for i in range(args.prompt_len)]
     print(f"torch {torch.__version__}, threads {args.threads}, target {args.layers}x{args.hidden} V={args.vocab}, "
-          f"drafter 1 layer, block {args.block}, prompt {args.prompt_len}, {args.max_tokens} new tokens\n")
-    print("| method | tau | round ms | draft | tree | verify | commit | mask* | walk* | overhead share |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for method, budget in [("dflash", 1)] + [("ddtree", b) for b in args.budgets]:
-        engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), method=method, budget=budget,
-                                        device="cpu", dtype="float32", max_batch=1, max_model_len=1024))
-        for _ in range(2):  # the first run warms up
-            req = engine.add_request(prompt, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
-            while engine.has_unfinished:
-                engine.step()
-        s = req.stats
-        rounds = s.rounds
-        ms = {k: 1000 * v / rounds for k, v in s.stage_seconds.items() if k != "prefill"}
-        # Mask and walk run inside verify/commit; time them alone on the same shapes.
-        logits = torch.randn(1, args.block - 1, args.vocab)
-        spec = build_chain(torch.tensor([1]), logits) if method == "dflash" else build_tree(torch.tensor([1]), logits, budget)
-        mask_ms = median_ms(lambda: ForwardContext.verify(engine.runner.cache, [0], spec))
-        picks = torch.randint(0, args.vocab, (1, spec.num_nodes))
-        walk_ms = median_ms(lambda: accept_walk(spec, picks))
+          f"drafter 1 layer, block {args.block}, prompt {args.prompt_len}, {args.max_tokens} new tokens, "
+          f"{args.passes} interleaved passes\n")
+    modes = [False, True] if args.compile else [False]
+    engines = {}
+    for compiled in modes:
+        for method, budget in [("dflash", 1)] + [("ddtree", b) for b in args.budgets]:
+            engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), method=method, budget=budget,
+                                            device="cpu", dtype="float32", max_batch=1, max_model_len=1024,
+                                            compile=compiled))
+            t0 = time.perf_counter()
+            run_once(engine, prompt, args.max_tokens)  # warm-up: compiles every bucket this run needs
+            engines[compiled, method, budget] = (engine, time.perf_counter() - t0)
+    stats = {k: [] for k in engines}
+    for _ in range(args.passes):  # interleaved, so a change in machine load hits every engine alike
+        for key, (engine, _) in engines.items():
+            stats[key].append(run_once(engine, prompt, args.max_tokens))
+
+    print("| mode | method | tau | round ms | draft | tree | verify | commit | mask* | walk* | overhead share | "
+          "warm-up s (compile s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (compiled, method, budget), (engine, warm) in engines.items():
+        runs = stats[compiled, method, budget]
+        rounds = sum(s.rounds for s in runs)
+        ms = {k: 1000 * sum(s.stage_seconds[k] for s in runs) / rounds for k in STAGES}
+        tau = sum(s.mean_accept_length * s.rounds for s in runs) / rounds
+        mask_ms, walk_ms = alone_ms(engine, method, budget, args, compiled)
         total = sum(ms.values())
-        commit_non_model = max(0.0, ms["commit"])  # walk + host read + K/V compaction + drafter append
-        overhead = ms["tree"] + mask_ms + commit_non_model
+        overhead = ms["tree"] + mask_ms + ms["commit"]
         label = "dflash (chain)" if method == "dflash" else f"ddtree {budget}"
-        print(f"| {label} | {s.mean_accept_length:.2f} | {total:.2f} | {ms['draft']:.2f} | {ms['tree']:.2f} | {ms['verify']:.2f} | "
-              f"{ms['commit']:.2f} | {mask_ms:.2f} | {walk_ms:.2f} | {100 * overhead / total:.1f}% |")
-    print("\n*mask is part of verify, walk part of commit; both timed alone on the same shapes.")
+        print(f"| {'compiled' if compiled else 'eager'} | {label} | {tau:.2f} | {total:.2f} | {ms['draft']:.2f} | "
+              f"{ms['tree']:.2f} | {ms['verify']:.2f} | {ms['commit']:.2f} | {mask_ms:.2f} | {walk_ms:.2f} | "
+              f"{100 * overhead / total:.1f}% | {warm:.0f} ({engine.runner.compile_seconds:.0f}) |")
+    print("\n*mask (the verify context: ancestor table + mask) is part of verify, walk part of commit; "
+          "both also timed alone on the same shapes.")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tree nodes per round for ddtree, or 'auto' to pick each round's size from measured cost (default 64)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", help="float32, bfloat16, float16, float64 (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the round (CUDA graphs on cuda); slower start")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -47,7 +48,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(target=args.target, drafter=args.drafter, method=args.method, budget=args.budget,
-                device=args.device, dtype=args.dtype)
+                device=args.device, dtype=args.dtype, compile=args.compile)
 
 
 def generate(args: argparse.Namespace) -> None:

@@ -27,6 +27,8 @@ class EngineConfig:
     max_round_tokens: int = 4096  # cap on all trees' nodes in one batched verify
     max_queue: int = 256  # waiting requests before add_request refuses
     stage_timing: bool | None = None  # sync between stages to time them; None = on for cpu only
+    compile: bool = False  # torch.compile the round (inductor on cpu, CUDA graphs on cuda); costs startup time
+    static_shapes: bool | None = None  # pad every forward to a shape bucket; None = on with compile
 
     @property
     def tree_budget(self) -> int:

@@ -82,16 +82,19 @@ def _has_bool_index(index) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
 @pytest.mark.parametrize("method,budget", [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", "auto")])
-def test_a_round_reads_the_device_once(pairs, monkeypatch, kind, method, budget):
+def test_a_round_reads_the_device_once(pairs, monkeypatch, kind, method, budget, static):
+    """static: shapes padded to buckets (3 requests -> 4 rows, the 4th on the dummy slot)."""
     target, drafter = pairs[kind]
     engine = LLMEngine(EngineConfig(target=str(target), drafter=None if method == "ar" else str(drafter),
                                     method=method, budget=budget, max_budget=16, device="cpu", max_batch=3,
-                                    max_model_len=96))
+                                    max_model_len=96, static_shapes=static))
     engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=30, ignore_eos=True))
     engine.add_request([7, 8], SamplingParams(temperature=0.8, top_k=10, top_p=0.9, seed=3, max_tokens=30,
                                               ignore_eos=True))
+    engine.add_request([9, 10, 11], SamplingParams(max_tokens=30, ignore_eos=True))  # 3 rows: padded to 4
     engine.step()  # admission and prefill (not a round's business), then the first round
 
     counter = ReadCounter(monkeypatch)

@@ -65,7 +65,7 @@ def spec_from_args(args: argparse.Namespace):
 
     preset = QUICK if args.quick else FULL
     chosen = {k: getattr(args, k) for k in preset if getattr(args, k, None) is not None}
-    kw = {k: v for k, v in engine_kwargs(args).items() if k not in ("method", "budget")}
+    kw = {k: v for k, v in engine_kwargs(args).items() if k not in ("method", "budget", "compile")}
     return BenchSpec(**kw, **{**preset, **chosen}, methods=args.methods or ["ar", "dflash", "ddtree"],
                      warmup=args.warmup, seed=args.seed, ignore_eos=args.ignore_eos,
                      cost_context=args.cost_context, stage_sync=args.stage_sync)

@@ -59,25 +59,26 @@ class HybridCache(KVCache):
         """
         super().commit(ctx, counts, path, num_nodes)
         records = [ctx.windows[i] for i in range(self.state.shape[0])]
-        slots = ctx.slots
+        r = len(counts)  # rows past it pad a batch bucket: their state stays out of the cache
+        slots = ctx.slots[:r]
         if ctx.keep_all:
             if not all(isinstance(w, WindowEnd) for w in records):
                 raise FlashtreeError("commit of a kept window got records of a verify window")
-            self.state[:, slots] = torch.stack([w.state for w in records])
-            self.conv[:, slots] = torch.stack([w.conv for w in records])
+            self.state[:, slots] = torch.stack([w.state[:r] for w in records])
+            self.conv[:, slots] = torch.stack([w.conv[:r] for w in records])
             return
         if not all(isinstance(w, DeltaWindow) for w in records):
             raise FlashtreeError("commit of a verify window got records of a kept window")
         if path is None:  # a chain kept by counts alone (off the hot path: counts come from the host)
-            path = torch.arange(ctx.num_nodes, device=slots.device).expand(len(counts), -1)
+            path = torch.arange(ctx.num_nodes, device=slots.device).expand(r, -1)
             num_nodes = torch.tensor(counts, device=slots.device)
             path = path.masked_fill(path >= num_nodes[:, None], -1)
-        node = path.clamp(min=0)  # [R, A]
+        node, num_nodes = path[:r].clamp(min=0), num_nodes[:r]  # [R, A], [R]
         a = node.shape[1]
-        keys = torch.stack([w.keys for w in records])  # [G, R, H, N, dk]
-        deltas = torch.stack([w.deltas for w in records])  # [G, R, H, N, dv]
-        decay = torch.stack([w.decay for w in records])  # [G, R, H, N]
-        inputs = torch.stack([w.inputs for w in records])  # [G, R, N, C]
+        keys = torch.stack([w.keys[:r] for w in records])  # [G, R, H, N, dk]
+        deltas = torch.stack([w.deltas[:r] for w in records])  # [G, R, H, N, dv]
+        decay = torch.stack([w.decay[:r] for w in records])  # [G, R, H, N]
+        inputs = torch.stack([w.inputs[:r] for w in records])  # [G, R, N, C]
         g, r, h = decay.shape[:3]
         idx = node[None, :, None, :].expand(g, r, h, a)
         path_decay = decay.gather(3, idx)  # [G, R, H, A]

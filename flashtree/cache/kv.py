@@ -40,15 +40,18 @@ class KVCache:
         shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.layer_index = torch.arange(num_layers, device=device)
         self.lengths = [0] * num_slots
         self.max_len = max_len
         self.device = torch.device(device)
 
     def write(self, layer: int, ctx: ForwardContext, k: Tensor, v: Tensor) -> None:
         """Store the window's k/v [R, N, Hkv, D] at rows ctx.rows [R, N] of ctx's slots."""
-        rows = ctx.slots[:, None].expand_as(ctx.rows)
-        self.k[layer, rows, ctx.rows] = k
-        self.v[layer, rows, ctx.rows] = v
+        index = (self.layer_index[layer], ctx.slots[:, None], ctx.rows)
+        # index_put_ on the whole buffer, not on a k[layer] view: compiled, a write through a view
+        # of the cache becomes a copy of all of it.
+        self.k.index_put_(index, k)
+        self.v.index_put_(index, v)
 
     def read(self, layer: int, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
         """K/V of the first ctx.key_len rows of each slot, as [R, Hkv, key_len, D]."""
@@ -67,10 +70,12 @@ class KVCache:
 
         path [R, A] (the accept walk's, root first, -1 past the count) names the kept nodes of a
         tree window; without it, or for a chain, the kept nodes are the window's first counts[r],
-        already in place. num_nodes is counts on the device (a hybrid cache needs it).
+        already in place. num_nodes is counts on the device (a hybrid cache needs it). Rows past
+        len(counts) (padding of a batch bucket) are dropped.
         """
+        r = len(counts)
         if path is not None and not ctx.is_chain:
-            starts, slots = ctx.starts[:, None], ctx.slots[:, None]
+            starts, slots, path = ctx.starts[:r, None], ctx.slots[:r, None], path[:r]
             steps = torch.arange(path.shape[1], device=path.device)
             src = torch.where(path >= 0, path, steps) + starts
             dst = steps + starts

@@ -33,8 +33,9 @@ class RoundInfo:
     """Batch-level facts about the last step, for metrics."""
 
     batch_size: int
-    seconds: float
+    seconds: float  # compile time (the first rounds of a compiled engine) left out
     accept_lengths: list[int]
+    compile_seconds: float = 0.0  # spent compiling so far in this engine (EngineConfig.compile)
 
 
 def load_tokenizer(path):
@@ -136,19 +137,20 @@ class LLMEngine:
         """Admit and prefill new requests, then run one batched round over the running ones."""
         outputs: list[StepOutput] = []
         for req in self.scheduler.admit():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), self.runner.compile_seconds
             first = self.runner.prefill(req)
-            req.stats.stage_seconds["prefill"] += time.perf_counter() - t0
+            req.stats.stage_seconds["prefill"] += time.perf_counter() - t0 - (self.runner.compile_seconds - c0)
             req.stats.first_token = time.perf_counter()
             outputs.append(self._emit(req, [first]))
         # Freshly prefilled requests join this round at once: they already hold a bonus token.
         running = sorted(self.scheduler.running, key=lambda r: r.slot)
         if not running:
             return outputs
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), self.runner.compile_seconds
         emitted, seconds = self.runner.step(running)
-        elapsed = time.perf_counter() - t0
-        self.last_round = RoundInfo(len(running), elapsed, [len(e) for e in emitted])
+        compiling = self.runner.compile_seconds - c0
+        elapsed = time.perf_counter() - t0 - compiling
+        self.last_round = RoundInfo(len(running), elapsed, [len(e) for e in emitted], self.runner.compile_seconds)
         for req, tokens in zip(running, emitted):
             req.stats.accept_lengths.append(len(tokens))
             for name, s in seconds.items():

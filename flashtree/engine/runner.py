@@ -12,6 +12,8 @@ the device. The runner owns every cache length: it commits the target and drafte
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import time
 from contextlib import contextmanager
 
@@ -20,30 +22,37 @@ from torch import Tensor
 
 from flashtree.config import EngineConfig
 from flashtree.engine.budget import AutoBudget
+from flashtree.engine.compiled import Compiler
 from flashtree.engine.sequence import Request
+from flashtree.engine.shapes import batch_bucket, budget_bucket, key_bucket, prefill_chunks
+from flashtree.errors import FlashtreeError
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
-from flashtree.sampling import pick_tokens
+from flashtree.models.transformer import ForwardOutput
+from flashtree.sampling import SamplingParams, pick_tokens
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
 from flashtree.tree.budget import expected_accepts, truncate
 
 
 class StageClock:
-    """Wall time per stage. With `sync`, waits for the device so GPU time lands in its stage."""
+    """Wall time per stage. With `sync`, waits for the device so GPU time lands in its stage.
+    Time spent compiling a new bucket (compiler.seconds) is left out of the stage it fell in."""
 
-    def __init__(self, device: torch.device, sync: bool) -> None:
+    def __init__(self, device: torch.device, sync: bool, compiler: Compiler) -> None:
         self.sync = sync and device.type == "cuda"
+        self.compiler = compiler
         self.seconds: dict[str, float] = {}
 
     @contextmanager
     def stage(self, name: str):
         if self.sync:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), self.compiler.seconds
         yield
         if self.sync:
             torch.cuda.synchronize()
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+        spent = time.perf_counter() - t0 - (self.compiler.seconds - c0)
+        self.seconds[name] = self.seconds.get(name, 0.0) + spent
 
 
 class InputStage:
@@ -54,6 +63,7 @@ class InputStage:
     one read returned, and the next round writes it only after.
     """
 
+    @torch.inference_mode()  # inference tensors, like everything else a round touches
     def __init__(self, size: int, device: torch.device) -> None:
         on_cuda = device.type == "cuda"
         self.host = torch.zeros(3, size, dtype=torch.long, pin_memory=on_cuda)
@@ -70,21 +80,44 @@ class InputStage:
 
 
 class ModelRunner:
+    """Runs prefill chunks and rounds over the engine's caches, which it owns (lengths included).
+
+    With static shapes (on with compile, or EngineConfig.static_shapes) every forward is padded to
+    a bucket (flashtree.engine.shapes): padded batch rows use a dummy slot past max_batch whose
+    results are dropped. With compile, the target forward (prefill chunks and verify windows), the
+    drafter forward, the tree build and the accept walk run through torch.compile.
+    """
+
     def __init__(self, config: EngineConfig, target, drafter: DFlashDrafter | None, device: torch.device) -> None:
         self.config = config
         self.target = target
         self.drafter = drafter
         self.device = device
         self.method = config.method
+        self.static = config.static_shapes if config.static_shapes is not None else config.compile
         self.block_size = drafter.block_size if drafter is not None else 1
         self.feature_layers = tuple(drafter.args.target_layer_ids) if drafter is not None else ()
         self.max_window = 1 + (config.tree_budget if self.method == "ddtree" else self.block_size - 1)
         cache_len = config.max_model_len + self.max_window
-        self.cache = target.new_cache(config.max_batch, cache_len)
-        self.draft_cache = drafter.new_cache(config.max_batch, cache_len) if drafter is not None else None
-        self.inputs = InputStage(config.max_batch, device)
+        self.max_rows = batch_bucket(config.max_batch) if self.static else config.max_batch
+        self.dummy_slot = config.max_batch  # padded batch rows write here; nothing reads it back
+        slots = config.max_batch + (1 if self.static else 0)
+        self.cache = target.new_cache(slots, cache_len)
+        self.draft_cache = drafter.new_cache(slots, cache_len) if drafter is not None else None
+        self.inputs = InputStage(self.max_rows, device)
+        self.compiler = Compiler(device, config.compile)
+        self.compiler.keep([t for c in (self.cache, self.draft_cache) if c is not None
+                            for t in vars(c).values() if isinstance(t, Tensor) and t.numel()])
+        self.run_prefill = self.compiler(self._prefill)
+        self.run_verify = self.compiler(self._verify)
+        self.run_draft = self.compiler(self._draft)
+        self.run_append = self.compiler(self._append)
+        # The builder's CPU early stop reads host scalars, which splits compiled code into dozens of
+        # graphs; compile it where that stop is off (CUDA) or can be switched off.
+        self.run_tree = self.compiler(_build_tree) if _BUILD_PRUNES or device.type != "cpu" else _build_tree
+        self.run_walk = self.compiler(accept_walk)
         sync = config.stage_timing if config.stage_timing is not None else device.type != "cuda"
-        self.clock = StageClock(device, sync)
+        self.clock = StageClock(device, sync, self.compiler)
         self.auto = None
         if self.method == "ddtree" and config.budget == "auto":
             self.auto = AutoBudget.measure(target, drafter, self.cache, self.draft_cache, config.max_budget)
@@ -92,74 +125,138 @@ class ModelRunner:
         # budget="auto" sizes each round from the previous round's draft, read with that round's results.
         self.expected: dict[str, list[float]] = {}  # request id -> expected accepts at each auto candidate
 
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds this process spent compiling buckets so far (0 without compile)."""
+        return self.compiler.seconds
+
     def round_budget(self, n: int) -> int:
-        """Per-request tree budget for a batch of n: capped so all trees fit max_round_tokens."""
-        return max(1, min(self.config.tree_budget, self.config.max_round_tokens // n - 1))
+        """Per-request tree budget for a batch of n: capped so all trees fit max_round_tokens
+        (with static shapes, to a candidate budget: the window stays in a bucket)."""
+        cap = max(1, self.config.max_round_tokens // n - 1)
+        if self.static:
+            return budget_bucket(self.config.tree_budget, cap)
+        return min(self.config.tree_budget, cap)
+
+    def key_len(self, batch: SlotBatch, n: int) -> int:
+        """Keys a window of n nodes attends: exact, or its bucket with static shapes."""
+        keys = batch.max_start + n
+        return key_bucket(keys, self.cache.max_len) if self.static else keys
+
+    # ---- prefill ------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def prefill(self, req: Request) -> int:
-        """Fill a fresh slot with the prompt; returns the target's first token (the first bonus)."""
-        n = len(req.prompt_ids)
-        ids = torch.tensor([req.prompt_ids], device=self.device)
-        self.cache.set_length(req.slot, 0)
-        if self.drafter is not None:
-            self.draft_cache.set_length(req.slot, 0)
-        batch = SlotBatch.of(self.cache, [req.slot])
-        ctx = ForwardContext.prefill(self.cache, batch, n)
-        out = self.target(ids, ctx, self.feature_layers, last_only=True)
+        """Fill a fresh slot with the prompt, chunk by chunk; returns the target's first token."""
+        for start, end in prefill_chunks(0, len(req.prompt_ids), self.static):
+            first = self.prefill_chunk(req, start, end)
+        return int(first)
+
+    @torch.inference_mode()
+    def prefill_chunk(self, req: Request, start: int, end: int) -> Tensor | None:
+        """Run prompt tokens [start, end) after the slot's committed `start` tokens and commit them
+        (start == 0 starts the slot afresh). Returns the first bonus token, on the device, when the
+        chunk ends the prompt, else None. Chunks of any size work; prefill() uses the bucketed ones."""
+        slot = req.slot
+        if start == 0:
+            self.cache.set_length(slot, 0)
+            if self.drafter is not None:
+                self.draft_cache.set_length(slot, 0)
+        if self.cache.lengths[slot] != start:
+            raise FlashtreeError(f"prefill chunk starts at {start} but slot {slot} holds {self.cache.lengths[slot]} "
+                                 "tokens; run a request's chunks in order")
+        n = end - start
+        ids = torch.tensor([req.prompt_ids[start:end]], device=self.device)
+        batch = SlotBatch.of(self.cache, [slot])
+        ctx, out = self.run_prefill(ids, batch, self.key_len(batch, n))
         self.cache.commit(ctx, [n])
         if self.drafter is not None:
-            dctx = ForwardContext.block(self.draft_cache, batch, n)
-            self.drafter.add_context(dctx, out.features)
+            dctx = self.run_append(batch, out.features, None, self.key_len(batch, 0))
             self.draft_cache.commit(dctx, [n])
-        return int(pick_tokens(out.logits, [req.params], [req.generator])[0, -1])
+        if end < len(req.prompt_ids):
+            return None
+        return pick_tokens(out.logits, [req.params], [req.generator])[0, -1]
+
+    def _prefill(self, ids: Tensor, batch: SlotBatch, key_len: int) -> tuple[ForwardContext, ForwardOutput]:
+        ctx = ForwardContext.prefill(self.cache, batch, ids.shape[1], key_len)
+        return ctx, self.target(ids, ctx, self.feature_layers, last_only=True)
+
+    # ---- the round ----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self, reqs: list[Request]) -> tuple[list[list[int]], dict[str, float]]:
         """One round for every request in `reqs`; returns each one's emitted tokens."""
         self.clock.seconds = {}
         slots = [r.slot for r in reqs]
-        batch, roots = self.inputs.upload(slots, [self.cache.lengths[s] for s in slots], [r.bonus for r in reqs])
-        spec, plan = self.draft(batch, roots, reqs)
+        starts = [self.cache.lengths[s] for s in slots]
+        roots = [r.bonus for r in reqs]
+        params, generators = [r.params for r in reqs], [r.generator for r in reqs]
+        if self.static:  # pad the batch to its bucket with rows on the dummy slot
+            pad = batch_bucket(len(reqs)) - len(reqs)
+            slots, starts, roots = slots + [self.dummy_slot] * pad, starts + [0] * pad, roots + [0] * pad
+            params, generators = params + [GREEDY] * pad, generators + [None] * pad
+        batch, root_tokens = self.inputs.upload(slots, starts, roots)
+        spec, plan = self.draft(batch, root_tokens, reqs)
         with self.clock.stage("verify"):
-            ctx = ForwardContext.verify(self.cache, batch, spec)
-            out = self.target(spec.tokens.clamp(min=0), ctx, self.feature_layers)
-            picks = pick_tokens(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
+            ctx, out = self.run_verify(batch, spec, self.key_len(batch, spec.num_nodes))
+            picks = pick_tokens(out.logits, params, generators)
         with self.clock.stage("commit"):
-            walk = accept_walk(spec, picks)
+            walk = self.run_walk(spec, picks)
             counts, emitted = self.read_round(walk.num_nodes, walk.tokens, reqs, plan)
             self.cache.commit(ctx, counts, walk.path, walk.num_nodes)
         if self.drafter is not None:
             # Projecting the accepted nodes' features into drafter K/V is drafter model work.
             with self.clock.stage("draft"):
-                dctx = ForwardContext.block(self.draft_cache, batch, walk.path.shape[1])
-                self.drafter.add_context(dctx, gather_nodes(out.features, walk.path))
+                dctx = self.run_append(batch, out.features, walk.path, self.key_len(batch, 0))
                 self.draft_cache.commit(dctx, counts)
         return emitted, dict(self.clock.seconds)
+
+    def _verify(self, batch: SlotBatch, spec: TreeSpec, key_len: int) -> tuple[ForwardContext, ForwardOutput]:
+        ctx = ForwardContext.verify(self.cache, batch, spec, key_len)
+        return ctx, self.target(spec.tokens.clamp(min=0), ctx, self.feature_layers)
+
+    def _draft(self, batch: SlotBatch, roots: Tensor, key_len: int) -> Tensor:
+        """Draft logits [R, L-1, V] of the block [root, MASK x (L-1)] after each slot's context."""
+        block = torch.full((roots.shape[0], self.block_size), self.drafter.args.mask_token_id, device=roots.device)
+        block[:, 0] = roots
+        ctx = ForwardContext.block(self.draft_cache, batch, self.block_size, key_len)
+        return self.target.lm_head(self.drafter(self.target.embed_tokens(block), ctx)[:, 1:])
+
+    def _append(self, batch: SlotBatch, features: Tensor, path: Tensor | None, key_len: int) -> ForwardContext:
+        """Write drafter context K/V for the window's nodes on `path` (all of them when None)."""
+        if path is not None:
+            features = gather_nodes(features, path)
+        ctx = ForwardContext.block(self.draft_cache, batch, features.shape[1], key_len)
+        self.drafter.add_context(ctx, features)
+        return ctx
 
     def draft(self, batch: SlotBatch, roots: Tensor, reqs: list[Request]) -> tuple[TreeSpec, AutoPlan | None]:
         if self.drafter is None:
             return chain_spec(roots[:, None]), None
         with self.clock.stage("draft"):
-            block = torch.full((batch.size, self.block_size), self.drafter.args.mask_token_id, device=self.device)
-            block[:, 0] = roots
-            hidden = self.drafter(self.target.embed_tokens(block), ForwardContext.block(self.draft_cache, batch,
-                                                                                        self.block_size))
-            logits = self.target.lm_head(hidden[:, 1:])
+            logits = self.run_draft(batch, roots, self.key_len(batch, 0))
         with self.clock.stage("tree"):
             if self.method == "dflash":
                 return build_chain(roots, logits), None
-            cap = self.round_budget(batch.size)
+            cap = self.round_budget(batch.size)  # padded rows count against max_round_tokens too
             if self.auto is None:
-                return build_tree(roots, logits, cap), None
+                return self.build(roots, logits, cap), None
             # The full-size tree's expected acceptance, read with this round's results, sizes the
             # next round; this round uses the size the previous round's draft chose.
             plan = AutoPlan(self.auto, cap, self.auto_budget(reqs, cap))
-            full = build_tree(roots, logits, cap)
+            full = self.build(roots, logits, cap)
             e = expected_accepts(full)  # [R, cap]: column b-1 is the top-b tree
             plan.expected = torch.cat([e[:, self.auto_columns[: len(plan.candidates)]],
                                        e[:, plan.budget - 1 : plan.budget]], dim=1)
             return truncate(full, plan.budget), plan
+
+    def build(self, roots: Tensor, logits: Tensor, budget: int) -> TreeSpec:
+        spec = self.run_tree(roots, logits, budget)
+        if self.static:
+            # The builder may stop early (fewer depths than drafted); the static bound keeps the
+            # mask and walk shapes fixed. Any bound >= the true depth gives the same result.
+            spec = dataclasses.replace(spec, max_depth=min(logits.shape[1], budget))
+        return spec
 
     def auto_budget(self, reqs: list[Request], cap: int) -> int:
         """This round's budget from the expectations the previous round read (cap before any)."""
@@ -173,13 +270,15 @@ class ModelRunner:
 
     def read_round(self, num_nodes: Tensor, tokens: Tensor, reqs: list[Request], plan: AutoPlan | None
                    ) -> tuple[list[int], list[list[int]]]:
-        """The round's one device-to-host read: accepted counts and tokens (and auto's expectations)."""
-        packed = torch.cat([num_nodes[:, None], tokens], dim=1)
+        """The round's one device-to-host read: accepted counts and tokens (and auto's expectations)
+        of the real rows (padding rows of a batch bucket are not read)."""
+        r = len(reqs)
+        packed = torch.cat([num_nodes[:r, None], tokens[:r]], dim=1)
         if plan is None:
             host = packed.tolist()
         else:
             # float64 holds every token id exactly, so the expectations ride along in the same read.
-            host = torch.cat([packed.double(), plan.expected.double()], dim=1).tolist()
+            host = torch.cat([packed.double(), plan.expected[:r].double()], dim=1).tolist()
             host = [[int(x) for x in row[: packed.shape[1]]] + [row[packed.shape[1]:]] for row in host]
             self.observe(plan, host, reqs)
         counts = [row[0] for row in host]
@@ -204,6 +303,20 @@ class AutoPlan:
         self.candidates = [b for b in auto.candidates if b <= cap]
         self.used = len(self.candidates)
         self.expected: Tensor | None = None  # [R, len(candidates) + 1]
+
+
+GREEDY = SamplingParams()  # what padded batch rows "sample" with: argmax, no generator
+
+
+def _build_tree(roots: Tensor, logits: Tensor, budget: int) -> TreeSpec:
+    # Without the CPU-only early stop when the builder offers the switch: it reads host scalars,
+    # which would split compiled code (and is off on other devices anyway).
+    if _BUILD_PRUNES:
+        return build_tree(roots, logits, budget, prune=False)
+    return build_tree(roots, logits, budget)
+
+
+_BUILD_PRUNES = "prune" in inspect.signature(build_tree).parameters
 
 
 def gather_nodes(x: Tensor, path: Tensor) -> Tensor:

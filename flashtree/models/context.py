@@ -31,6 +31,11 @@ class SlotBatch:
     start_list: list[int]
     slots: Tensor  # [R] int64 on the cache's device
     starts: Tensor  # [R] int64: committed length = the row (and position) the window starts at
+    contiguous: bool = field(init=False)  # slots are 0..R-1, so cache reads can slice instead of gather
+
+    def __post_init__(self) -> None:
+        # A plain bool, not a property over slot_list: compiled code guards on it, not on the list.
+        self.contiguous = self.slot_list == list(range(len(self.slot_list)))
 
     @classmethod
     def of(cls, cache: KVCache, slots: list[int]) -> SlotBatch:
@@ -42,16 +47,11 @@ class SlotBatch:
 
     @property
     def size(self) -> int:
-        return len(self.slot_list)
+        return self.slots.shape[0]
 
     @property
     def max_start(self) -> int:
         return max(self.start_list)
-
-    @property
-    def contiguous(self) -> bool:
-        """Slots are 0..R-1, so cache reads can slice instead of gather."""
-        return self.slot_list == list(range(len(self.slot_list)))
 
 
 def _batch(cache: KVCache, batch: SlotBatch | list[int]) -> SlotBatch:
@@ -90,18 +90,24 @@ class ForwardContext:
         return self.rows.shape[1]
 
     @classmethod
-    def prefill(cls, cache: KVCache, batch: SlotBatch | list[int], n: int) -> ForwardContext:
-        """A causal window of n tokens that commit keeps whole (a prompt, or a chunk of one)."""
-        return cls._chain(cache, _batch(cache, batch), n, keep_all=True)
+    def prefill(cls, cache: KVCache, batch: SlotBatch | list[int], n: int, key_len: int | None = None
+                ) -> ForwardContext:
+        """A causal window of n tokens that commit keeps whole (a prompt, or a chunk of one).
+
+        key_len: keys to attend, at least max start + n (a bucket); None = exactly that.
+        """
+        batch = _batch(cache, batch)
+        return cls._chain(cache, batch, n, key_len or batch.max_start + n, keep_all=True)
 
     @classmethod
-    def verify(cls, cache: KVCache, batch: SlotBatch | list[int], tree: TreeSpec) -> ForwardContext:
+    def verify(cls, cache: KVCache, batch: SlotBatch | list[int], tree: TreeSpec, key_len: int | None = None
+               ) -> ForwardContext:
         """A draft tree (or chain) to verify: each node sees the prefix, its ancestors and itself."""
         batch = _batch(cache, batch)
-        if tree.is_chain:
-            return cls._chain(cache, batch, tree.num_nodes)
         n = tree.num_nodes
-        key_len = batch.max_start + n
+        key_len = key_len or batch.max_start + n
+        if tree.is_chain:
+            return cls._chain(cache, batch, n, key_len)
         table = ancestor_table(tree)
         anc = tree_ancestor_mask(table, tree.depths)
         taps = path_taps(table, tree.depths, cache.path_taps) if cache.path_taps else None
@@ -111,21 +117,19 @@ class ForwardContext:
                    is_chain=False, ancestors=table, tree_mask=anc[:, None], taps=taps)
 
     @classmethod
-    def block(cls, cache: KVCache, batch: SlotBatch | list[int], n: int) -> ForwardContext:
-        """n drafter rows after each slot's context: a block to draft (it attends the context,
-        key_len = max start, and masks itself) or newly committed features to append."""
+    def block(cls, cache: KVCache, batch: SlotBatch | list[int], n: int, key_len: int | None = None
+              ) -> ForwardContext:
+        """n drafter rows after each slot's context: a block to draft (it attends the context's
+        first key_len rows, default max start, and masks itself) or new features to append."""
         batch = _batch(cache, batch)
-        ctx = cls._chain(cache, batch, n, with_mask=False)
-        ctx.key_len = batch.max_start
-        return ctx
+        return cls._chain(cache, batch, n, key_len or batch.max_start, with_mask=False)
 
     @classmethod
-    def _chain(cls, cache: KVCache, batch: SlotBatch, n: int, keep_all: bool = False,
+    def _chain(cls, cache: KVCache, batch: SlotBatch, n: int, key_len: int, keep_all: bool = False,
                with_mask: bool = True) -> ForwardContext:
         idx = torch.arange(n, device=batch.starts.device)
         rows = batch.starts[:, None] + idx
         r = batch.size
-        key_len = batch.max_start + n
         mask = causal_window_mask(batch.starts, n, key_len) if with_mask else None
         return cls(cache, batch, positions=rows, rows=rows, parents=(idx - 1).expand(r, n), depths=idx.expand(r, n),
                    key_len=key_len, mask=mask, is_chain=True, keep_all=keep_all)

@@ -144,15 +144,16 @@ class DecoderLM(nn.Module):
         """
         x = self.embed_tokens(tokens)
         rope = self.rotary(ctx.positions, x.dtype)
-        features = {}
+        features: list[Tensor | None] = [None] * len(feature_layers)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, ctx)
-            if i in feature_layers:
-                features[i] = x
+            for j, k in enumerate(feature_layers):
+                if k == i:  # one by one, not `i in feature_layers`: dynamo mis-traces that on symbolic ints
+                    features[j] = x
         if last_only:
             x = x[:, -1:]
         logits = self.lm_head(self.norm(x))
-        feats = torch.cat([features[k] for k in feature_layers], dim=-1) if feature_layers else None
+        feats = torch.cat(features, dim=-1) if feature_layers else None
         return ForwardOutput(logits, feats)
 
 
