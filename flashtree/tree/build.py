@@ -111,8 +111,9 @@ def _pairs(width: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
     p = torch.arange(width)
     counts = torch.clamp(width // (p + 1), max=k)
     starts = torch.cumsum(counts, 0) - counts
-    parent = torch.repeat_interleave(p, counts)
-    token = torch.arange(int(counts.sum())) - torch.repeat_interleave(starts, counts)
+    total = sum(min(width // (q + 1), k) for q in range(width))  # counts.sum(), without a tensor read
+    parent = torch.repeat_interleave(p, counts, output_size=total)
+    token = torch.arange(total) - torch.repeat_interleave(starts, counts, output_size=total)
     return parent.to(device), token.to(device)
 
 
@@ -220,32 +221,36 @@ def build_chain(root_tokens: Tensor, draft_logits: Tensor) -> TreeSpec:
 def build_tree_reference(root_token: int, draft_logits: Tensor, budget: int) -> list[tuple[int, ...]]:
     """Best-first search with a heap over prefixes: the test oracle for build_tree.
 
-    Pops prefixes in the tie order and pushes all children of each popped one. A parent is popped
-    before its children, so its rank in its level (pops so far at its depth) is known by then.
-    Returns the drafted token tuples (root excluded) in pop order.
+    Pops prefixes in the tie order. Children enter the heap lazily: a popped prefix pushes its
+    best child, and a popped child pushes its next sibling in its depth's token order. A sibling
+    never comes before the one ahead of it in the tie order, so the pops are those of a heap that
+    held every child, while the heap stays O(budget) (this is what lets it run at full vocabularies).
+    A parent is popped before its children, so its rank in its level (pops so far at its depth)
+    is known by then. Returns the drafted token tuples (root excluded) in pop order.
     """
     del root_token  # the root is fixed; it does not enter any score
     lp = torch.log_softmax(draft_logits.float(), dim=-1).cpu().numpy()
     D, V = lp.shape
-    order = [sorted(range(V), key=lambda v: (-lp[d, v], v)) for d in range(D)]  # (log-prob desc, id asc)
-    tok_rank = [{v: i for i, v in enumerate(o)} for o in order]
+    order = [np.lexsort((np.arange(V), -lp[d])) for d in range(D)]  # (log-prob desc, id asc)
     heap: list = []
 
-    def push_children(prefix: tuple[int, ...], score: np.float32, level_rank: int) -> None:
-        d = len(prefix)
-        if d == D:
+    def push(parent: tuple[int, ...], parent_score: np.float32, parent_rank: int, j: int) -> None:
+        """Push the child of `parent` holding the j-th best token at its depth, unless it scores -inf."""
+        d = len(parent)
+        if d == D or j == V:
             return
-        for v in range(V):
-            s = np.float32(score + lp[d, v])
-            if s > -np.inf:
-                heapq.heappush(heap, (-float(s), d + 1, level_rank, tok_rank[d][v], prefix + (v,), s))
+        v = int(order[d][j])
+        s = np.float32(parent_score + lp[d, v])
+        if s > -np.inf:  # later siblings score -inf too
+            heapq.heappush(heap, (-float(s), d + 1, parent_rank, j, parent + (v,), s, parent_score))
 
-    push_children((), np.float32(0.0), 0)
+    push((), np.float32(0.0), 0, 0)
     popped_at_depth = [0] * (D + 1)
     out = []
     while heap and len(out) < budget:
-        *_, prefix, score = heapq.heappop(heap)
+        _, depth, parent_rank, j, prefix, score, parent_score = heapq.heappop(heap)
         out.append(prefix)
-        push_children(prefix, score, popped_at_depth[len(prefix)])
-        popped_at_depth[len(prefix)] += 1
+        push(prefix[:-1], parent_score, parent_rank, j + 1)  # next sibling
+        push(prefix, score, popped_at_depth[depth], 0)  # first child
+        popped_at_depth[depth] += 1
     return out
