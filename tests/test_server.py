@@ -507,19 +507,23 @@ def test_huge_prompts_are_refused_off_the_engine_thread_while_a_stream_runs(pair
     """A 7 MB prompt and a 200k-message chat are refused with OpenAI errors without being
     tokenized, a near-limit prompt is tokenized in the worker pool (never on the engine thread
     or the event loop), and a stream running meanwhile keeps producing tokens and ends intact."""
-    with live_server(pair, slow_round=0.02, max_batch=4) as (url, app, engine):
+    with live_server(pair, max_batch=4) as (url, app, engine):
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         body = {"model": model, "prompt": "Tell me a story.", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True,
                 "temperature": 0}
         alone = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
         calls: list[tuple[str, int]] = []
-        encode = engine.tokenizer.encode
+        encode, step = engine.tokenizer.encode, engine.step
 
         def spy(text, *args, **kwargs):
             calls.append((threading.current_thread().name, len(text)))
             return encode(text, *args, **kwargs)
 
-        engine.tokenizer.encode = spy
+        def slow_step():  # the stream then lasts seconds: long enough to see the refusals come first
+            time.sleep(0.05)
+            return step()
+
+        engine.tokenizer.encode, engine.step = spy, slow_step
         try:
             http, r, rest = long_stream(url, model)
             seen: list[str] = []
@@ -539,7 +543,7 @@ def test_huge_prompts_are_refused_off_the_engine_thread_while_a_stream_runs(pair
             reader.join(120)
             http.close()
         finally:
-            engine.tokenizer.encode = encode
+            engine.tokenizer.encode, engine.step = encode, step
         for res in refusals:
             assert res.status_code == 400 and res.json()["error"]["code"] == "context_length_exceeded", res.text
         assert "without tokenizing" in refusals[0].json()["error"]["message"]
