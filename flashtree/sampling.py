@@ -16,6 +16,9 @@ from torch import Tensor
 from flashtree.errors import FlashtreeError
 
 
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit; vLLM's default max_logprobs)
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy (argmax)
@@ -26,6 +29,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    n: int = 1  # samples returned; they share the prompt's prefill
+    best_of: int | None = None  # samples drawn (>= n); the n with the highest cumulative logprob are returned
+    logprobs: int | None = None  # per output token: its logprob and this many top alternatives (0..20)
+    prompt_logprobs: int | None = None  # the same for prompt tokens (the first has none); disables prefix reuse
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -40,10 +47,23 @@ class SamplingParams:
             raise FlashtreeError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise FlashtreeError("stop strings must not be empty")
+        if self.n < 1:
+            raise FlashtreeError(f"n must be >= 1, got {self.n}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise FlashtreeError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise FlashtreeError(f"{name} must be in 0..{MAX_LOGPROBS}, got {k}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_samples(self) -> int:
+        """Samples to draw: best_of, or n."""
+        return self.best_of or self.n
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """A private RNG per request, so a seeded request samples the same under any batch."""

@@ -140,8 +140,11 @@ def test_incremental_detokenization_equals_full_decode():
         req = Request([1], SamplingParams())
         pieces = []
         for i in range(0, len(ids), chunk):
-            req.output_ids.extend(ids[i : i + chunk])
-            piece = engine._detokenize(req, final=i + chunk >= len(ids))
+            new = ids[i : i + chunk]
+            piece, offsets = engine._detokenize(req, new, final=i + chunk >= len(ids))
+            req.output_ids.extend(new)
+            if offsets is not None:
+                req.prefix_offset, req.read_offset = offsets
             assert "\ufffd" not in piece
             pieces.append(piece)
         assert "".join(pieces) == text

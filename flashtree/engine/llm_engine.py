@@ -9,10 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from flashtree.config import EngineConfig
+from flashtree.engine.prefix_cache import PrefixCache
 from flashtree.engine.prompts import encode_chat, max_prompt_chars
 from flashtree.engine.runner import ModelRunner
 from flashtree.engine.scheduler import Scheduler
-from flashtree.engine.sequence import STAGES, Request, Status
+from flashtree.engine.sequence import (STAGES, Request, RequestGroup, Status, TokenLogprob, derived_seed,
+                                       new_request_id)
 from flashtree.errors import FlashtreeError, PromptTooLong
 from flashtree.models.dflash import load_drafter
 from flashtree.models.loader import load_target, parse_dtype
@@ -90,7 +92,14 @@ class LLMEngine:
         self.eos_ids = self._eos_ids()
         self.scheduler = Scheduler(config.max_batch, config.max_queue)
         self.runner = ModelRunner(config, self.target, self.drafter, device)
+        self.prefix = self._prefix_cache()
         self.last_round: RoundInfo | None = None
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        caches = [self.runner.cache] + ([self.runner.draft_cache] if self.drafter is not None else [])
+        if not self.config.prefix_cache or not all(c.shares_prefixes for c in caches):
+            return None  # off, or a sliding-window drafter (see flashtree/engine/prefix_cache.py)
+        return PrefixCache(self.config.max_batch, recurrent=self.runner.cache.recurrent)
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -147,19 +156,56 @@ class LLMEngine:
         return EngineStats(len(s.waiting), len(s.running), self.last_round)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+        """Queue one sample of a prompt (n = 1, no best_of); add_group takes any n."""
         params = params or SamplingParams()
+        if params.num_samples > 1:
+            raise FlashtreeError("add_request makes one sample; use add_group for n > 1 or best_of")
         ids = self.encode(prompt)
         self.check_length(ids)
-        req = Request(ids, params)
-        if request_id is not None:
-            req.request_id = request_id
-        req.generator = params.generator(self.device)
+        req = self._sample(ids, params, request_id or new_request_id(), 0)
         self.scheduler.add(req)
         return req
 
-    def abort(self, req: Request) -> None:
-        self.scheduler.finish(req, "abort")
-        req.stats.finished = time.perf_counter()
+    def add_group(self, prompt: str | list[int], params: SamplingParams | None = None,
+                  request_id: str | None = None) -> RequestGroup:
+        """Queue params.best_of (or n) samples of one prompt. They are seated together and share
+        one prefill: the first sample computes the prompt, the others copy its K/V. Sample i is
+        request `{request_id}-{i}` (just request_id when there is one sample), seeded with
+        derived_seed(seed, i) when params.seed is set."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        self.check_length(ids)
+        k = params.num_samples
+        if k > self.config.max_batch:
+            raise FlashtreeError(f"n/best_of = {k} samples need {k} cache slots at once, but this engine has "
+                                 f"max_batch={self.config.max_batch}; ask for fewer or raise max_batch (--max-batch)")
+        gid = request_id or new_request_id()
+        samples = [self._sample(ids, params, gid if k == 1 else f"{gid}-{i}", i) for i in range(k)]
+        group = RequestGroup(gid, ids, params, samples)
+        for s in samples:
+            s.group = group
+        self.scheduler.add(samples)
+        return group
+
+    def _sample(self, ids: list[int], params: SamplingParams, request_id: str, index: int) -> Request:
+        req = Request(ids, params, request_id=request_id, index=index)
+        seed = None if params.seed is None else derived_seed(params.seed, index)
+        req.generator = _generator(params, seed, self.device)
+        # best_of ranks samples by cumulative logprob, so it needs them even when not asked.
+        if params.logprobs is not None or params.num_samples > params.n:
+            req.logprobs = []
+        if params.prompt_logprobs is not None and index == 0:
+            req.prompt_logprobs = [None]
+        return req
+
+    def abort(self, req: Request | RequestGroup) -> None:
+        """End a request; a sample of a group ends its whole group (one client request)."""
+        group = req if isinstance(req, RequestGroup) else req.group
+        now = time.perf_counter()
+        for s in group.samples if group is not None else [req]:
+            if not s.finished:
+                self.scheduler.finish(s, "abort")
+                s.stats.finished = now
 
     @property
     def has_unfinished(self) -> bool:
@@ -168,47 +214,116 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """Admit and prefill new requests, then run one batched round over the running ones."""
+        """Seat waiting requests, prefill up to max_prefill_tokens of prompts, then run one batched
+        round over every request that holds its next root."""
         outputs: list[StepOutput] = []
-        for req in self.scheduler.admit():
-            t0 = time.perf_counter()
-            first = self.runner.prefill(req)
-            req.stats.stage_seconds["prefill"] += time.perf_counter() - t0
-            req.stats.first_token = time.perf_counter()
-            outputs.append(self._emit(req, [first]))
-        # Freshly prefilled requests join this round at once: they already hold a bonus token.
-        running = sorted(self.scheduler.running, key=lambda r: r.slot)
+        for req in self.scheduler.admit(self._choose_slot):
+            self._seat(req)
+        self._prefill(outputs)
+        # Requests whose prefill just ended join this round at once: they already hold a bonus token.
+        running = sorted(self.scheduler.decoding(), key=lambda r: r.slot)
         if not running:
             return outputs
         t0 = time.perf_counter()
-        emitted, seconds = self.runner.step(running)
+        emitted, seconds, logprobs = self.runner.step(running)
         elapsed = time.perf_counter() - t0
         self.last_round = RoundInfo(len(running), elapsed, [len(e) for e in emitted])
-        for req, tokens in zip(running, emitted):
+        for req, tokens, lps in zip(running, emitted, logprobs):
             req.stats.accept_lengths.append(len(tokens))
             for name, s in seconds.items():
                 req.stats.stage_seconds[name] += s
-            outputs.append(self._emit(req, tokens))
+            outputs.append(self._emit(req, tokens, lps))
         return outputs
 
-    def _detokenize(self, req: Request, final: bool) -> str:
-        """Text of the tokens not yet decoded, decoding only a short window (not the whole output).
+    # ---- seating and prefill --------------------------------------------------------------
+
+    def _choose_slot(self, req: Request, free: list[int]) -> int:
+        if self.prefix is None:
+            return free[-1]
+        if req.prefills and req.prompt_logprobs is None:
+            return self.prefix.choose_slot(req.prompt_ids, free)
+        return min(free, key=lambda s: self.prefix.last_used[s])
+
+    def _seat(self, req: Request) -> None:
+        """Start a seated request's slot: empty, or holding the longest prefix the cache has."""
+        if not req.prefills:
+            return  # a group's other samples copy the first one's prompt when it is done
+        match = None
+        if self.prefix is not None and req.prompt_logprobs is None:
+            match = self.prefix.match(req.prompt_ids, req.slot)
+        length = match.length if match is not None else 0
+        self.runner.seat(req.slot, match.source if length else None, length, match.state if length else None)
+        req.num_computed = req.stats.cached_tokens = length
+        req.save_state_at = match.save_at if match is not None else None
+        if self.prefix is not None:
+            self.prefix.assign(req.slot, req.prompt_ids, length)
+
+    def _prefill(self, outputs: list[StepOutput]) -> None:
+        """One chunk for each prefilling request while the step's max_prefill_tokens last."""
+        budget = self.config.max_prefill_tokens
+        for req in self.scheduler.prefilling():
+            if budget == 0:
+                break
+            start = req.num_computed
+            end = min(len(req.prompt_ids), start + budget)
+            if req.save_state_at is not None and start < req.save_state_at < end:
+                end = req.save_state_at
+            budget -= end - start
+            t0 = time.perf_counter()
+            logits = self.runner.prefill(req, end)
+            req.num_computed = end
+            if self.prefix is not None:
+                self.prefix.extend(req.slot, end)
+                if end == req.save_state_at:
+                    self.prefix.save_state(req.prompt_ids[:end], self.runner.save_state(req.slot))
+            req.stats.stage_seconds["prefill"] += time.perf_counter() - t0
+            if req.prefilled:
+                outputs.extend(self._start(req, logits))
+
+    def _start(self, first: Request, logits) -> list[StepOutput]:
+        """The prompt is in: copy it to the group's other samples, then every sample draws its
+        first token from the prompt's last logits."""
+        t0 = time.perf_counter()
+        samples = [s for s in (first.group.samples if first.group is not None else [first]) if not s.finished]
+        n = len(first.prompt_ids)
+        for s in samples[1:]:
+            self.runner.seat(s.slot, first.slot, n, None)
+            s.num_computed = n
+            if self.prefix is not None:
+                self.prefix.assign(s.slot, s.prompt_ids, n)
+        tokens, logprobs = self.runner.first_tokens(samples, logits)
+        now = time.perf_counter()
+        outputs = []
+        for s, token, lp in zip(samples, tokens, logprobs):
+            if s is not first:
+                s.stats.stage_seconds["prefill"] += now - t0
+            s.stats.first_token = now
+            outputs.append(self._emit(s, [token], lp))
+        return outputs
+
+    # ---- output ---------------------------------------------------------------------------
+
+    def _detokenize(self, req: Request, new: list[int], final: bool) -> tuple[str, tuple[int, int] | None]:
+        """Text of output_ids + new not yet decoded, and the detokenizer offsets after it (None:
+        held back), decoding only a short window (not the whole output).
 
         Decoding ids[prefix:] and subtracting ids[prefix:read] keeps tokenizers that drop a
         leading space at a sequence start right; a trailing partial UTF-8 character is held back
         until a later round completes it.
         """
-        ids = req.output_ids
         decode = self.tokenizer.decode
-        prefix_text = decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=True)
-        full = decode(ids[req.prefix_offset:], skip_special_tokens=True)
+        window = req.output_ids[req.prefix_offset:] + new
+        prefix_text = decode(window[: req.read_offset - req.prefix_offset], skip_special_tokens=True)
+        full = decode(window, skip_special_tokens=True)
         if full.endswith("\ufffd") and not final:
-            return ""
-        req.prefix_offset, req.read_offset = req.read_offset, len(ids)
-        return full[len(prefix_text):]
+            return "", None
+        return full[len(prefix_text):], (req.read_offset, req.prefix_offset + len(window))
 
-    def _emit(self, req: Request, tokens: list[int]) -> StepOutput:
-        """Append a round's tokens, trimming exactly at EOS, stop ids, stop strings or limits."""
+    def _emit(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> StepOutput:
+        """Append a round's tokens, trimming exactly at EOS, stop ids, stop strings or limits.
+
+        A stop string ends the output at the token that completes it: tokens drafted past it
+        are dropped (from output_ids, the usage count and the logprobs) as the text is cut."""
         params = req.params
         max_new = min(params.max_tokens, self.config.max_model_len - len(req.prompt_ids))
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
@@ -222,21 +337,52 @@ class LLMEngine:
             if len(req.output_ids) + len(new) >= max_new:
                 reason = "length"
                 break
-        req.output_ids.extend(new)
-        old_text = req.text
         if self.tokenizer is not None:
-            text = req.text + self._detokenize(req, final=reason is not None)
+            delta, offsets = self._detokenize(req, new, final=reason is not None)
+            text = req.text + delta
             if params.stop:
-                text, hit = trim_stop(text, params.stop, max(0, len(old_text) - max(map(len, params.stop))))
+                # Held-back text (a partial character at the end) may already complete a stop.
+                seen = text if offsets is not None else req.text + self._detokenize(req, new, final=True)[0]
+                search_from = max(0, len(req.text) - max(map(len, params.stop)))
+                cut, hit = trim_stop(seen, params.stop, search_from)
                 if hit:
-                    reason = "stop"
+                    new, text, reason = self._stop_token(req, new, search_from), cut, "stop"
             req.text = text
+            if offsets is not None:
+                req.prefix_offset, req.read_offset = offsets
+        req.output_ids.extend(new)
+        if req.logprobs is not None and logprobs is not None:
+            kept = logprobs[: len(new)]
+            req.logprobs.extend(kept)
+            req.cumulative_logprob += sum(lp.logprob for lp in kept)
         if reason is None:
             req.bonus = tokens[-1]
         else:
             self.scheduler.finish(req, reason)
             req.stats.finished = time.perf_counter()
+            if self.prefix is not None:
+                self.prefix.touch(req.slot)
         return StepOutput(req, new, req.finished)
+
+    def _stop_token(self, req: Request, new: list[int], search_from: int) -> list[int]:
+        """The shortest head of `new` whose text completes a stop string (the round's text did)."""
+        for j in range(1, len(new)):
+            delta, _ = self._detokenize(req, new[:j], final=True)
+            if trim_stop(req.text + delta, req.params.stop, search_from)[1]:
+                return new[:j]
+        return new
+
+
+def _generator(params: SamplingParams, seed: int | None, device: torch.device) -> torch.Generator | None:
+    """A private RNG per sample, so a seeded sample draws the same under any batch."""
+    if params.greedy:
+        return None
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
 
 
 def trim_stop(text: str, stops: list[str], search_from: int) -> tuple[str, bool]:
@@ -247,4 +393,4 @@ def trim_stop(text: str, stops: list[str], search_from: int) -> tuple[str, bool]
     return text[: min(hits)], True
 
 
-__all__ = ["LLMEngine", "StepOutput", "RoundInfo", "EngineStats", "STAGES", "Status"]
+__all__ = ["LLMEngine", "StepOutput", "RoundInfo", "EngineStats", "STAGES", "Status", "RequestGroup", "TokenLogprob"]

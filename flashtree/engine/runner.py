@@ -19,8 +19,10 @@ import torch
 from torch import Tensor
 
 from flashtree.config import EngineConfig
+from flashtree.cache import RecurrentState
 from flashtree.engine.budget import AutoBudget
-from flashtree.engine.sequence import Request
+from flashtree.engine.logprobs import distribution_logprobs, pack, unpack
+from flashtree.engine.sequence import Request, TokenLogprob
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
 from flashtree.sampling import pick_tokens
@@ -96,27 +98,77 @@ class ModelRunner:
         """Per-request tree budget for a batch of n: capped so all trees fit max_round_tokens."""
         return max(1, min(self.config.tree_budget, self.config.max_round_tokens // n - 1))
 
-    @torch.inference_mode()
-    def prefill(self, req: Request) -> int:
-        """Fill a fresh slot with the prompt; returns the target's first token (the first bonus)."""
-        n = len(req.prompt_ids)
-        ids = torch.tensor([req.prompt_ids], device=self.device)
-        self.cache.set_length(req.slot, 0)
+    # ---- slots and prefill ----------------------------------------------------------------
+
+    def seat(self, slot: int, source: int | None, length: int, state: RecurrentState | None = None) -> None:
+        """Start a slot empty (source None), or holding source's first `length` committed rows in
+        the target and drafter caches (a shared prefix; a hybrid target also takes `state`, the
+        recurrent state saved after them, unless source holds exactly `length` tokens)."""
+        if source is None:
+            self.cache.set_length(slot, 0)
+            if self.drafter is not None:
+                self.draft_cache.set_length(slot, 0)
+            return
+        self.cache.copy_prefix(source, slot, length, state)
         if self.drafter is not None:
-            self.draft_cache.set_length(req.slot, 0)
+            self.draft_cache.copy_prefix(source, slot, length)
+
+    def save_state(self, slot: int) -> RecurrentState:
+        """A hybrid target's recurrent state at the slot's committed length (for prefix reuse)."""
+        return self.cache.save_state(slot)
+
+    @torch.inference_mode()
+    def prefill(self, req: Request, end: int) -> Tensor | None:
+        """Append prompt tokens [num_computed, end) to the slot, target and drafter caches (a
+        chunk: it attends to what the slot holds, and a hybrid target's recurrence continues
+        from there). Returns the last position's logits [1, 1, V] once the prompt is complete.
+        A request that asked for prompt logprobs gets those of the chunk's next tokens."""
+        start = req.num_computed
+        n = end - start
+        ids = torch.tensor([req.prompt_ids[start:end]], device=self.device)
         batch = SlotBatch.of(self.cache, [req.slot])
         ctx = ForwardContext.prefill(self.cache, batch, n)
-        out = self.target(ids, ctx, self.feature_layers, last_only=True)
+        scored = req.prompt_logprobs is not None
+        out = self.target(ids, ctx, self.feature_layers, last_only=not scored)
         self.cache.commit(ctx, [n])
         if self.drafter is not None:
             dctx = ForwardContext.block(self.draft_cache, batch, n)
             self.drafter.add_context(dctx, out.features)
             self.draft_cache.commit(dctx, [n])
-        return int(pick_tokens(out.logits, [req.params], [req.generator])[0, -1])
+        if scored:
+            self.score_prompt(req, out.logits, start, end)
+        return out.logits[:, -1:] if end == len(req.prompt_ids) else None
+
+    def score_prompt(self, req: Request, logits: Tensor, start: int, end: int) -> None:
+        """Prompt logprobs: logits [1, n, V] at positions start.. score prompt tokens start+1.."""
+        count = min(end, len(req.prompt_ids) - 1) - start
+        if count <= 0:
+            return
+        k = req.params.prompt_logprobs
+        tokens = req.prompt_ids[start + 1:start + 1 + count]
+        lp = distribution_logprobs(logits[:, :count], [req.params])
+        packed = pack(lp, torch.tensor([tokens], device=self.device), k)
+        req.prompt_logprobs.extend(unpack(packed.flatten().tolist(), tokens, k, k))
 
     @torch.inference_mode()
-    def step(self, reqs: list[Request]) -> tuple[list[list[int]], dict[str, float]]:
-        """One round for every request in `reqs`; returns each one's emitted tokens."""
+    def first_tokens(self, reqs: list[Request], logits: Tensor) -> tuple[list[int], list[list[TokenLogprob] | None]]:
+        """Each sample's first token from its prompt's last logits [1, 1, V] (one read), and its
+        logprob entry for those that keep logprobs."""
+        x = logits.expand(len(reqs), -1, -1)
+        picks = pick_tokens(x, [r.params for r in reqs], [r.generator for r in reqs])
+        k = max((r.params.logprobs or 0 for r in reqs if r.logprobs is not None), default=None)
+        if k is None:
+            return picks[:, 0].tolist(), [None] * len(reqs)
+        packed = pack(distribution_logprobs(x, [r.params for r in reqs]), picks, k)
+        rows = torch.cat([picks.double(), packed.flatten(1)], dim=1).tolist()
+        tokens = [int(row[0]) for row in rows]
+        return tokens, [unpack(row[1:], [t], r.params.logprobs or 0, k) if r.logprobs is not None else None
+                        for r, row, t in zip(reqs, rows, tokens)]
+
+    @torch.inference_mode()
+    def step(self, reqs: list[Request]) -> tuple[list[list[int]], dict[str, float], list[list[TokenLogprob] | None]]:
+        """One round for every request in `reqs`: each one's emitted tokens, the stage times, and
+        the emitted tokens' logprobs for requests that keep them (else None)."""
         self.clock.seconds = {}
         slots = [r.slot for r in reqs]
         batch, roots = self.inputs.upload(slots, [self.cache.lengths[s] for s in slots], [r.bonus for r in reqs])
@@ -127,7 +179,8 @@ class ModelRunner:
             picks = pick_tokens(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
         with self.clock.stage("commit"):
             walk = accept_walk(spec, picks)
-            counts, emitted = self.read_round(walk.num_nodes, walk.tokens, reqs, plan)
+            scores = self.round_logprobs(out.logits, walk.path, walk.tokens, reqs)
+            counts, emitted, logprobs = self.read_round(walk.num_nodes, walk.tokens, reqs, plan, scores)
             self.cache.commit(ctx, counts, walk.path, walk.num_nodes)
         if self.drafter is not None:
             # Projecting the accepted nodes' features into drafter K/V is drafter model work.
@@ -135,7 +188,7 @@ class ModelRunner:
                 dctx = ForwardContext.block(self.draft_cache, batch, walk.path.shape[1])
                 self.drafter.add_context(dctx, gather_nodes(out.features, walk.path))
                 self.draft_cache.commit(dctx, counts)
-        return emitted, dict(self.clock.seconds)
+        return emitted, dict(self.clock.seconds), logprobs
 
     def draft(self, batch: SlotBatch, roots: Tensor, reqs: list[Request]) -> tuple[TreeSpec, AutoPlan | None]:
         if self.drafter is None:
@@ -171,24 +224,46 @@ class ModelRunner:
         gains = [mean[c] * len(reqs) for c in range(columns)]  # requests without a record count as the mean
         return self.auto.choose_gains(gains, len(reqs), cap)
 
-    def read_round(self, num_nodes: Tensor, tokens: Tensor, reqs: list[Request], plan: AutoPlan | None
-                   ) -> tuple[list[int], list[list[int]]]:
-        """The round's one device-to-host read: accepted counts and tokens (and auto's expectations)."""
-        packed = torch.cat([num_nodes[:, None], tokens], dim=1)
-        if plan is None:
-            host = packed.tolist()
-        else:
-            # float64 holds every token id exactly, so the expectations ride along in the same read.
-            host = torch.cat([packed.double(), plan.expected.double()], dim=1).tolist()
-            host = [[int(x) for x in row[: packed.shape[1]]] + [row[packed.shape[1]:]] for row in host]
-            self.observe(plan, host, reqs)
-        counts = [row[0] for row in host]
-        return counts, [row[1 : 1 + row[0]] for row in host]
+    def round_logprobs(self, logits: Tensor, path: Tensor, tokens: Tensor, reqs: list[Request]) -> Tensor | None:
+        """[R, A * (1 + 2k)]: the emitted tokens' logprobs and top-k at the accepted path's nodes
+        (whose verify logits gave those tokens), when some request keeps logprobs."""
+        keep = [r for r in reqs if r.logprobs is not None]
+        if not keep:
+            return None
+        k = max(r.params.logprobs or 0 for r in keep)
+        lp = distribution_logprobs(gather_nodes(logits, path), [r.params for r in reqs])
+        return pack(lp, tokens, k).flatten(1)
 
-    def observe(self, plan: AutoPlan, host: list[list], reqs: list[Request]) -> None:
-        expected = [row[-1] for row in host]
+    def read_round(self, num_nodes: Tensor, tokens: Tensor, reqs: list[Request], plan: AutoPlan | None,
+                   scores: Tensor | None = None) -> tuple[list[int], list[list[int]], list[list[TokenLogprob] | None]]:
+        """The round's one device-to-host read: accepted counts and tokens, and riding along in
+        float64 (which holds every token id exactly) auto's expectations and the logprobs."""
+        packed = torch.cat([num_nodes[:, None], tokens], dim=1)
+        extra = [t for t in (plan.expected if plan is not None else None, scores) if t is not None]
+        if not extra:
+            host = packed.tolist()
+            rest = [[] for _ in host]
+        else:
+            rows = torch.cat([packed.double(), *(t.double() for t in extra)], dim=1).tolist()
+            w = packed.shape[1]
+            host = [[int(x) for x in row[:w]] for row in rows]
+            rest = [row[w:] for row in rows]
+        counts = [row[0] for row in host]
+        emitted = [row[1 : 1 + row[0]] for row in host]
+        if plan is not None:
+            e = plan.expected.shape[1]
+            self.observe(plan, counts, [row[:e] for row in rest], reqs)
+            rest = [row[e:] for row in rest]
+        logprobs: list[list[TokenLogprob] | None] = [None] * len(reqs)
+        if scores is not None:
+            width = (scores.shape[1] // tokens.shape[1] - 1) // 2
+            logprobs = [unpack(row, toks, r.params.logprobs or 0, width) if r.logprobs is not None else None
+                        for r, row, toks in zip(reqs, rest, emitted)]
+        return counts, emitted, logprobs
+
+    def observe(self, plan: AutoPlan, counts: list[int], expected: list[list[float]], reqs: list[Request]) -> None:
         predicted = sum(e[plan.used] for e in expected)
-        self.auto.observe(predicted, sum(row[0] for row in host) - len(host))
+        self.auto.observe(predicted, sum(counts) - len(counts))
         live = {r.request_id for r in reqs}
         self.expected = {k: v for k, v in self.expected.items() if k in live}
         for req, e in zip(reqs, expected):
