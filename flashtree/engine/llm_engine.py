@@ -238,11 +238,7 @@ class LLMEngine:
     # ---- seating and prefill --------------------------------------------------------------
 
     def _choose_slot(self, req: Request, free: list[int]) -> int:
-        if self.prefix is None:
-            return free[-1]
-        if req.prefills and req.prompt_logprobs is None:
-            return self.prefix.choose_slot(req.prompt_ids, free)
-        return min(free, key=lambda s: self.prefix.last_used[s])
+        return free[-1] if self.prefix is None else self.prefix.choose_slot(free)
 
     def _seat(self, req: Request) -> None:
         """Start a seated request's slot: empty, or holding the longest prefix the cache has."""

@@ -4,10 +4,10 @@ The slots are the store. A slot's first rows never change while its request live
 past its length) and stay valid after it finishes, until the slot is given to another request.
 So a new prompt is matched, token by token, against the prompt each slot holds (its longest
 common prefix), and the match is copied into the new slot: the target's K/V and the drafter's
-context K/V, both functions of the prefix tokens alone. When the best match is a free slot, the
-request takes that slot and nothing is copied. Free slots are given away least recently used
-first, so what stays cached is what was used last, and the memory is the slots' own: nothing
-beyond them is kept, except recurrent states.
+context K/V, both functions of the prefix tokens alone (nothing is copied when the new slot
+itself holds the match). Free slots are given away least recently used first, so what stays
+cached is what was used last, and the memory is the slots' own: nothing beyond them is kept,
+except recurrent states.
 
 A hybrid target's recurrent layers cannot be rewound: a slot's state is the one after all its
 tokens. There, reuse also needs the state at the prefix's end, saved while a prefill passed that
@@ -53,12 +53,9 @@ class PrefixCache:
 
     # ---- seating ------------------------------------------------------------------------------
 
-    def choose_slot(self, prompt: list[int], free: list[int]) -> int:
-        """The free slot holding the longest prefix of prompt (none copied), else the least
-        recently used free slot."""
-        ids = np.asarray(prompt, dtype=np.int64)
-        best = max(free, key=lambda s: (self._common(ids, s), -self.last_used[s]))
-        return best if self._common(ids, best) > 0 else min(free, key=lambda s: self.last_used[s])
+    def choose_slot(self, free: list[int]) -> int:
+        """The least recently used free slot: what it holds is the least likely to be asked for."""
+        return min(free, key=lambda s: self.last_used[s])
 
     def match(self, prompt: list[int], slot: int) -> PrefixMatch | None:
         """The longest reusable prefix for a prompt about to fill `slot`; None when none is.
