@@ -4,8 +4,9 @@ Most layers are Gated DeltaNet (GDN): a causal depthwise conv over the qkv proje
 gated delta rule, a linear recurrence over a [dk, dv] state per head. Every few layers is a full
 attention layer with an output gate, q/k norm and partial RoPE. The MLP is dense (qwen3_5) or
 top-k routed experts plus a gated shared expert (qwen3_5_moe, qwen3_next). Module names follow the
-HF checkpoints (minus the `model.` / `model.language_model.` prefix) so weights load as they are;
-Qwen3-Next's packed GDN projections are split on load (`Qwen35.convert_checkpoint`).
+HF checkpoints (minus the `model.` / `model.language_model.` prefix), with q/k/v and gate/up fused
+(`MergedLinear`, packed by the loader); Qwen3-Next's packed GDN projections are split on load
+(`Qwen35.convert_checkpoint`).
 
 Verifying a draft tree needs every node to see the recurrent state of its own ancestor path.
 Rather than stepping depth by depth, a window is solved in closed form: within a window, the
@@ -33,8 +34,9 @@ from torch import Tensor, nn
 
 from flashtree.cache import CacheView, KVCache
 from flashtree.errors import FlashtreeError
-from flashtree.models.layers import MLP, apply_rotary, attention, rope_parameters
+from flashtree.models.layers import MLP, MergedLinear, apply_rotary, attention, rope_parameters
 from flashtree.models.mask import window_mask
+from flashtree.models.moe import SparseMoE
 from flashtree.models.transformer import DecoderLM, ForwardOutput
 from flashtree.tree import TreeSpec, ancestor_mask, ancestor_table
 
@@ -75,44 +77,51 @@ class Qwen35Args:
     mlp_only_layers: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "Qwen35Args":
-        layers = cfg["num_hidden_layers"]
-        types = cfg.get("layer_types")
-        if not types:
-            every = cfg.get("full_attention_interval", 4)
+    def from_hf(cls, config) -> "Qwen35Args":
+        """From the text config transformers reads (Qwen3_5TextConfig, Qwen3_5MoeTextConfig,
+        Qwen3NextConfig: loader.read_config unwraps the multimodal layout)."""
+        c = config
+        layers = c.num_hidden_layers
+        types = getattr(c, "layer_types", None)
+        if not types:  # a raw config of a type this transformers does not know
+            every = getattr(c, "full_attention_interval", 4)
             types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
-        rope = rope_parameters(cfg)
+        rope = rope_parameters(c)
         rope.setdefault("partial_rotary_factor", 0.25)  # HF's default for this family
         if rope["rope_type"] == "mrope":
             rope["rope_type"] = "default"  # text positions: all three mrope axes agree, so 1-D RoPE
-        heads = cfg["num_attention_heads"]
+        heads = c.num_attention_heads
+
+        def opt(key: str, default=0):  # dense configs have no MoE keys; some hold None
+            return getattr(c, key, None) or default
+
         return cls(
-            model_type=cfg.get("model_type", "qwen3_5_text"),
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg.get("intermediate_size") or 0,
+            model_type=getattr(c, "model_type", None) or "qwen3_5_text",
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=opt("intermediate_size"),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            num_kv_heads=opt("num_key_value_heads", heads),
+            head_dim=opt("head_dim", c.hidden_size // heads),
+            rms_norm_eps=opt("rms_norm_eps", 1e-6),
             layer_types=list(types),
-            linear_conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
-            linear_key_head_dim=cfg.get("linear_key_head_dim", 128),
-            linear_value_head_dim=cfg.get("linear_value_head_dim", 128),
-            linear_num_key_heads=cfg.get("linear_num_key_heads", 16),
-            linear_num_value_heads=cfg.get("linear_num_value_heads", 32),
+            linear_conv_kernel=opt("linear_conv_kernel_dim", 4),
+            linear_key_head_dim=opt("linear_key_head_dim", 128),
+            linear_value_head_dim=opt("linear_value_head_dim", 128),
+            linear_num_key_heads=opt("linear_num_key_heads", 16),
+            linear_num_value_heads=opt("linear_num_value_heads", 32),
             rope=rope,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", False),
-            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-            num_experts=cfg.get("num_experts", 0) or 0,
-            num_experts_per_tok=cfg.get("num_experts_per_tok", 0) or 0,
-            moe_intermediate_size=cfg.get("moe_intermediate_size", 0) or 0,
-            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) or 0,
-            norm_topk_prob=cfg.get("norm_topk_prob", True),
-            decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
-            mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(c, "attention_bias", False)),
+            max_position_embeddings=opt("max_position_embeddings", 32768),
+            num_experts=opt("num_experts"),
+            num_experts_per_tok=opt("num_experts_per_tok"),
+            moe_intermediate_size=opt("moe_intermediate_size"),
+            shared_expert_intermediate_size=opt("shared_expert_intermediate_size"),
+            norm_topk_prob=bool(getattr(c, "norm_topk_prob", True)),
+            decoder_sparse_step=opt("decoder_sparse_step", 1),
+            mlp_only_layers=list(opt("mlp_only_layers", [])),
         )
 
     def is_moe(self, layer: int) -> bool:
@@ -353,18 +362,19 @@ class GatedAttention(nn.Module):
         d, hd, bias = args.hidden_size, args.head_dim, args.attention_bias
         self.index = index  # which attention layer: row of the cache's K/V
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, hd
-        self.q_proj = nn.Linear(d, args.num_heads * hd * 2, bias=bias)
-        self.k_proj = nn.Linear(d, args.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(d, args.num_kv_heads * hd, bias=bias)
+        # q_proj holds each head's query and output gate: [H, 2, hd] rows.
+        self.qkv_proj = MergedLinear(d, [("q_proj", args.num_heads * hd * 2), ("k_proj", args.num_kv_heads * hd),
+                                         ("v_proj", args.num_kv_heads * hd)], bias=bias)
         self.o_proj = nn.Linear(args.num_heads * hd, d, bias=bias)
         self.q_norm = RMSNorm(hd, args.rms_norm_eps)
         self.k_norm = RMSNorm(hd, args.rms_norm_eps)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], step: Step) -> Tensor:
         r, n, _ = x.shape
-        q, gate = self.q_proj(x).view(r, n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        k = self.k_proj(x).view(r, n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(r, n, self.num_kv_heads, self.head_dim)
+        qg, k, v = self.qkv_proj(x)
+        q, gate = qg.view(r, n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = k.view(r, n, self.num_kv_heads, self.head_dim)
+        v = v.view(r, n, self.num_kv_heads, self.head_dim)
         q = apply_rotary(self.q_norm(q).transpose(1, 2), *rope)
         k = apply_rotary(self.k_norm(k).transpose(1, 2), *rope)
         cache = step.view.cache
@@ -372,54 +382,6 @@ class GatedAttention(nn.Module):
         keys, values = cache.read(self.index, step.view, step.key_len)
         out = attention(q, keys, values, step.mask, self.head_dim**-0.5).transpose(1, 2).reshape(r, n, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(r, n, -1)))
-
-
-class Experts(nn.ModuleList):
-    """Routed experts, one SwiGLU MLP each, named as the hub checkpoints store them (experts.E.*_proj)."""
-
-    def __init__(self, num: int, dim: int, hidden: int) -> None:
-        super().__init__(MLP(dim, hidden) for _ in range(num))
-
-    def forward(self, x: Tensor, index: Tensor, weight: Tensor) -> Tensor:
-        """x [T, d]; index/weight [T, top_k]: each token through its experts, weighted and summed."""
-        out = torch.zeros_like(x)
-        for e in index.unique().tolist():  # one host sync per MoE layer: plain PyTorch, not a fused kernel
-            tok, slot = (index == e).nonzero(as_tuple=True)
-            out.index_add_(0, tok, (self[e](x[tok]) * weight[tok, slot, None]).to(out.dtype))
-        return out
-
-
-class Router(nn.Module):
-    def __init__(self, num: int, dim: int, top_k: int, normalize: bool) -> None:
-        super().__init__()
-        self.top_k, self.normalize = top_k, normalize
-        self.weight = nn.Parameter(torch.zeros(num, dim))
-
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        probs = F.linear(x, self.weight).softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32))
-        weight, index = probs.topk(self.top_k, dim=-1)
-        if self.normalize:
-            weight = weight / weight.sum(-1, keepdim=True)
-        return index, weight.to(x.dtype)
-
-
-class SparseMoE(nn.Module):
-    """Top-k routed experts plus a sigmoid-gated shared expert (qwen3_5_moe)."""
-
-    def __init__(self, args: Qwen35Args) -> None:
-        super().__init__()
-        d = args.hidden_size
-        self.gate = Router(args.num_experts, d, args.num_experts_per_tok, args.norm_topk_prob)
-        self.experts = Experts(args.num_experts, d, args.moe_intermediate_size)
-        self.shared_expert = MLP(d, args.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(d, 1, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        index, weight = self.gate(flat)
-        out = self.experts(flat, index, weight)
-        out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return out.view_as(x)
 
 
 class Block(nn.Module):
@@ -430,7 +392,11 @@ class Block(nn.Module):
             self.linear_attn = GatedDeltaNet(args, args.gdn_layers.index(layer))
         else:
             self.self_attn = GatedAttention(args, args.attention_layers.index(layer))
-        self.mlp = SparseMoE(args) if args.is_moe(layer) else MLP(args.hidden_size, args.intermediate_size)
+        if args.is_moe(layer):
+            self.mlp = SparseMoE(args.hidden_size, args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
+                                 args.norm_topk_prob, args.shared_expert_intermediate_size)
+        else:
+            self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -521,27 +487,24 @@ class Qwen35(DecoderLM):
         layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
         super().__init__(args, layers, RMSNorm(args.hidden_size, args.rms_norm_eps))
 
-    def convert_checkpoint(self, weights: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Qwen3-Next packs each key head's q, k, v, z (and b, a) rows together in in_proj_qkvz
-        (in_proj_ba); split them into the Qwen3.5 projections this model has."""
+    def convert_checkpoint(self, name: str, w: Tensor) -> dict[str, Tensor]:
+        """One checkpoint tensor -> the tensors of this model's layout it stands for (the loader calls
+        it per tensor). Qwen3-Next packs each key head's q, k, v, z (and b, a) rows together in
+        in_proj_qkvz (in_proj_ba); they are split into the Qwen3.5 projections this model has."""
         a = self.args
         hk, r = a.linear_num_key_heads, a.linear_num_value_heads // a.linear_num_key_heads
         dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
-        out = {}
-        for name, w in weights.items():
-            if name.endswith("linear_attn.in_proj_qkvz.weight"):
-                base = name[: -len("in_proj_qkvz.weight")]
-                q, k, v, z = w.view(hk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
-                out[base + "in_proj_qkv.weight"] = torch.cat([t.reshape(-1, w.shape[-1]) for t in (q, k, v)])
-                out[base + "in_proj_z.weight"] = z.reshape(-1, w.shape[-1])
-            elif name.endswith("linear_attn.in_proj_ba.weight"):
-                base = name[: -len("in_proj_ba.weight")]
-                b, a_ = w.view(hk, 2 * r, -1).split([r, r], dim=1)
-                out[base + "in_proj_b.weight"] = b.reshape(-1, w.shape[-1])
-                out[base + "in_proj_a.weight"] = a_.reshape(-1, w.shape[-1])
-            else:
-                out[name] = w
-        return out
+        if name.endswith("linear_attn.in_proj_qkvz.weight"):
+            base = name[: -len("in_proj_qkvz.weight")]
+            q, k, v, z = w.view(hk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
+            return {base + "in_proj_qkv.weight": torch.cat([t.reshape(-1, w.shape[-1]) for t in (q, k, v)]),
+                    base + "in_proj_z.weight": z.reshape(-1, w.shape[-1])}
+        if name.endswith("linear_attn.in_proj_ba.weight"):
+            base = name[: -len("in_proj_ba.weight")]
+            b, a_ = w.view(hk, 2 * r, -1).split([r, r], dim=1)
+            return {base + "in_proj_b.weight": b.reshape(-1, w.shape[-1]),
+                    base + "in_proj_a.weight": a_.reshape(-1, w.shape[-1])}
+        return {name: w}
 
     def new_cache(self, num_slots: int, max_len: int) -> HybridCache:
         p = self.embed_tokens.weight
