@@ -297,7 +297,7 @@ class SlidingDraftCache(KVCache):
 
 def load_drafter(name_or_path, target: nn.Module, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
     """Load a z-lab DFlash checkpoint (streamed in like a target) and check that it fits `target`."""
-    from flashtree.models.loader import default_dtype, load_checkpoint, read_config, resolve
+    from flashtree.models.loader import default_dtype, load_checkpoint, meta_device, read_config, resolve
 
     path = resolve(name_or_path)
     config = read_config(path)
@@ -305,7 +305,7 @@ def load_drafter(name_or_path, target: nn.Module, dtype: torch.dtype, device: to
     if "DFlashDraftModel" not in archs:
         raise FlashtreeError(f"{path} is not a DFlash drafter (architectures {archs}); expected DFlashDraftModel")
     args = DFlashArgs.from_hf(config)
-    with torch.device("meta"), default_dtype(dtype):
+    with meta_device(), default_dtype(dtype):
         drafter = DFlashDrafter(args)
     drafter.check_target(target)
     load_checkpoint(drafter, path, torch.device(device))

@@ -30,7 +30,7 @@ def linear_init(out_features: int, in_features: int, *lead: int, bias: bool = Fa
     free on the meta device, where the loader builds models."""
     shape = (*lead, out_features) if bias else (*lead, out_features, in_features)
     bound = 1.0 / math.sqrt(in_features)
-    return torch.empty(shape).uniform_(-bound, bound)
+    return nn.init.uniform_(torch.empty(shape), -bound, bound)
 
 
 class MergedLinear(nn.Module):

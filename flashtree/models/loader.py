@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 WEIGHT_PREFIXES = ("model.language_model.", "model.")
 IGNORED = ("mtp.", "visual.")  # multi-token-prediction heads and vision towers: not ours to run
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt", "*.model"]
-MAP_BUDGET = 64 << 20  # bytes of one shard mapped at a time (see ShardReader)
+MAP_BUDGET = 64 << 20  # at most this many bytes of a shard mapped at a time (see ShardReader)
 DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2}
 
 
@@ -123,6 +123,23 @@ def eos_token_ids(model: nn.Module) -> set[int]:
 
 
 @contextmanager
+def meta_device():
+    """Build modules on the meta device without running their initialisers: they would only fill
+    storage that does not exist (and torch's meta `normal_` imports torch._dynamo, seconds)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+             "xavier_normal_", "trunc_normal_", "zeros_", "ones_", "constant_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+@contextmanager
 def default_dtype(dtype: torch.dtype):
     """Create modules directly in the run dtype: no float32 copy of a large model first."""
     old = torch.get_default_dtype()
@@ -173,7 +190,7 @@ def load_target(name_or_path: str | os.PathLike, dtype: torch.dtype, device: tor
     """Build our own implementation of the target architecture and stream its weights in."""
     path = resolve(name_or_path)
     config = read_config(path)
-    with torch.device("meta"), default_dtype(dtype):
+    with meta_device(), default_dtype(dtype):
         model = build_target(config)
     load_checkpoint(model, path, torch.device(device), convert=getattr(model, "convert_checkpoint", None))
     model.source_dir = path
@@ -332,12 +349,14 @@ class ShardReader:
     """Tensors of one safetensors file, read through safe_open's memory map.
 
     Pages the map has touched count in this process's resident memory until the file is
-    closed, so the file is reopened every `budget` bytes read, and a bigger tensor is read in
-    row blocks: loading holds the model plus at most about one budget of the checkpoint.
+    closed, so the file is reopened every `budget` bytes read (a 16th of the shard, at most
+    MAP_BUDGET), and a bigger tensor is read in row blocks: loading holds the model plus about
+    one budget of the checkpoint, not a whole shard.
     """
 
-    def __init__(self, path: Path, budget: int = MAP_BUDGET) -> None:
-        self.path, self.budget = path, budget
+    def __init__(self, path: Path, budget: int | None = None) -> None:
+        self.path = path
+        self.budget = budget or max(1 << 20, min(MAP_BUDGET, path.stat().st_size // 16))
         self.file = None
         self.mapped = 0
 
