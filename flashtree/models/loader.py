@@ -32,6 +32,7 @@ WEIGHT_PREFIXES = ("model.language_model.", "model.")
 IGNORED = ("mtp.", "visual.")  # multi-token-prediction heads and vision towers: not ours to run
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt", "*.model"]
 MAP_BUDGET = 64 << 20  # at most this many bytes of a shard mapped at a time (see ShardReader)
+MIN_MAP_BUDGET = 1 << 20
 DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2}
 
 
@@ -356,7 +357,8 @@ class ShardReader:
 
     def __init__(self, path: Path, budget: int | None = None) -> None:
         self.path = path
-        self.budget = budget or max(1 << 20, min(MAP_BUDGET, path.stat().st_size // 16))
+        self.budget = budget or max(MIN_MAP_BUDGET, min(MAP_BUDGET, path.stat().st_size // 16))
+        self.opened = 0
         self.file = None
         self.mapped = 0
 
@@ -366,6 +368,7 @@ class ShardReader:
         if self.file is None or self.mapped >= self.budget:
             self.close()
             self.file = safe_open(str(self.path), framework="pt").__enter__()
+            self.opened += 1
         return self.file
 
     def close(self) -> None:
