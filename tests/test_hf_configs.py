@@ -20,6 +20,7 @@ import pytest
 import torch
 import transformers
 
+from flashtree.models.context import ForwardContext
 from flashtree.models.loader import eos_token_ids, load_target
 
 CPU = torch.device("cpu")
@@ -289,7 +290,7 @@ def test_hub_shaped_config_loads_to_hf_logits(tmp_path, name):
     cache = ours.new_cache(1, 32)
     with torch.no_grad():
         ref = hf(ids).logits
-        out = ours(ids, torch.arange(ids.shape[1])[None], cache.view([0])).logits
+        out = ours(ids, ForwardContext.prefill(cache, [0], ids.shape[1])).logits
     assert (out - ref).abs().max() < 1e-4
 
 

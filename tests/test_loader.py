@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from flashtree.errors import FlashtreeError
 from flashtree.models import loader
+from flashtree.models.context import ForwardContext
 from flashtree.models.dflash import load_drafter
 from flashtree.models.layers import MergedLinear, inv_frequencies
 from flashtree.models.loader import eos_token_ids, hub_state_dict, load_target, read_config
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def logits(model, ids: list[int]) -> torch.Tensor:
     cache = model.new_cache(1, len(ids) + 2)
     with torch.no_grad():
-        return model(torch.tensor([ids]), torch.arange(len(ids))[None], cache.view([0])).logits
+        return model(torch.tensor([ids]), ForwardContext.prefill(cache, [0], len(ids))).logits
 
 
 def load_memory_module():

@@ -10,6 +10,7 @@ import transformers
 from safetensors.torch import save_file
 
 from flashtree import LLM, SamplingParams
+from flashtree.models.context import ForwardContext
 from flashtree.models.loader import hub_state_dict, load_target
 from flashtree.models.moe import Experts, Router, SparseMoE, expert_path
 from flashtree.tree import TreeSpec
@@ -41,8 +42,7 @@ def make_qwen3_moe(out, seed: int = 0, logit_scale: float = 1.0, **overrides):
 def run(model, ids: torch.Tensor, feature_layers=()):
     cache = model.new_cache(ids.shape[0], ids.shape[1] + 4)
     with torch.no_grad():
-        return model(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1), cache.view(list(range(ids.shape[0]))),
-                     None, feature_layers)
+        return model(ids, ForwardContext.prefill(cache, list(range(ids.shape[0])), ids.shape[1]), feature_layers)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -81,9 +81,10 @@ def test_tree_window_matches_each_path(tmp_path):
     spec = TreeSpec(tokens, parents, depths, torch.tensor([5]))
     cache = ours.new_cache(1, 32)
     with torch.no_grad():
-        ours(prompt, torch.arange(5)[None], cache.view([0]))
-        cache.set_length(0, 5)
-        out = ours(tokens, 5 + depths, cache.view([0]), spec)
+        ctx = ForwardContext.prefill(cache, [0], 5)
+        ours(prompt, ctx)
+        cache.commit(ctx, [5])
+        out = ours(tokens, ForwardContext.verify(cache, [0], spec))
         for node, nodes in {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 2, 4]}.items():
             ref = hf(torch.cat([prompt, tokens[:, nodes]], dim=1)).logits[0, -1]
             assert (out.logits[0, node] - ref).abs().max() < 1e-4, node
