@@ -206,3 +206,7 @@ def test_a_model_type_transformers_does_not_know_falls_back_to_the_raw_config(tm
     assert config.model_type == "qwen9_unknown" and config.hidden_size == cfg["hidden_size"]
     with pytest.raises(FlashtreeError, match="unsupported target model_type 'qwen9_unknown'"):
         load_target(path, torch.float32, CPU)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen9_vl", "tie_word_embeddings": True,
+                                                  "text_config": {**cfg, "tie_word_embeddings": False}}))
+    config = read_config(path)
+    assert loader.text_config(config).hidden_size == cfg["hidden_size"] and loader.tied_embeddings(config)

@@ -80,11 +80,9 @@ def read_config(path: Path):
             raise FlashtreeError(f"{path / 'config.json'} is not valid JSON ({bad})") from None
         log.warning("transformers cannot read %s (%s); reading its config.json as it is",
                     path / "config.json", str(e).splitlines()[0] if str(e) else type(e).__name__)
-        text = raw.get("text_config")
         config = PretrainedConfig(**{k: v for k, v in raw.items() if k != "text_config"})
-        if isinstance(text, dict):
-            config.text_config = PretrainedConfig(**text)
-            config.get_text_config = lambda *a, **k: config.text_config
+        if isinstance(raw.get("text_config"), dict):  # get_text_config() then returns it
+            config.text_config = PretrainedConfig(**raw["text_config"])
         return config
 
 
