@@ -14,7 +14,7 @@ import transformers
 from scipy.stats import chisquare
 
 from flashtree import LLM, SamplingParams
-from flashtree.sampling import probabilities
+from flashtree.sampler import probabilities
 from tiny import make_drafter, make_target
 
 VOCAB, LENGTH, SAMPLES = 4, 3, 2400

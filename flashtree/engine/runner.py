@@ -20,7 +20,7 @@ from flashtree.cache import CacheView
 from flashtree.config import EngineConfig
 from flashtree.engine.sequence import Request
 from flashtree.models.dflash import DFlashDrafter
-from flashtree.sampling import pick_tokens
+from flashtree.sampler import SamplingBatch, pick
 from flashtree.engine.budget import AutoBudget
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
 from flashtree.tree.budget import expected_accepts, truncate
@@ -80,7 +80,8 @@ class ModelRunner:
         if self.drafter is not None:
             self.draft_cache.set_length(req.slot, 0)
             self.drafter.add_context(self.draft_cache.view([req.slot]), out.features, [ids.shape[1]])
-        return int(pick_tokens(out.logits, [req.params], [req.generator])[0, -1])
+        sampling = SamplingBatch.build([req.params], [req.seed], self.device)
+        return int(pick(out.logits[:, -1:], sampling, torch.full((1, 1), ids.shape[1], device=self.device))[0, 0])
 
     @torch.inference_mode()
     def step(self, reqs: list[Request]) -> tuple[list[list[int]], dict[str, float]]:
@@ -90,13 +91,14 @@ class ModelRunner:
         # Host-to-device copies (roots, cache starts) happen here, before any kernel is queued,
         # so they never wait on the device mid-round.
         roots = torch.tensor([r.bonus for r in reqs], device=self.device)
+        sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device)
         view = self.cache.view(slots)
         draft_view = self.draft_cache.view(slots) if self.drafter is not None else None
         spec = self.draft(draft_view, roots)
         with self.clock.stage("verify"):
             positions = view.starts[:, None] + spec.depths
             out = self.target(spec.tokens.clamp(min=0), positions, view, spec, self.feature_layers)
-            picks = pick_tokens(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
+            picks = pick(out.logits, sampling, positions + 1, spec.depth_bound + 1)
         with self.clock.stage("commit"):
             walk = accept_walk(spec, picks)
             host = torch.cat([walk.num_nodes[:, None], walk.tokens], dim=1).tolist()
