@@ -29,7 +29,7 @@ from torch import Tensor
 
 from flashtree.sampling import SamplingParams
 
-CANDIDATES = 1024  # top-p looks for its nucleus among this many tokens before sorting the vocabulary
+CANDIDATES = (64, 1024)  # top-p seeks its nucleus among this many tokens before sorting the vocabulary
 M32 = 0xFFFFFFFF
 NEG_INF = float("-inf")
 
@@ -144,7 +144,7 @@ def pick(logits: Tensor, batch: SamplingBatch, positions: Tensor, span: int | No
     predict, i.e. the node's own position + 1. span: a bound on the distinct positions per row
     (max - min < span; the tree's depth bound + 1), so plain rows hash noise once per position
     instead of once per node; None = N. Greedy rows take the argmax (ties: lowest id).
-    Host reads: none, except one when a top-p nucleus may reach past CANDIDATES tokens.
+    Host reads: none, except one per wider candidate level a top-p nucleus (or a top-k tie) needs.
     """
     R, N, _ = logits.shape
     picks = logits.argmax(-1) if batch.greedy_rows else torch.empty(R, N, dtype=torch.long, device=logits.device)
@@ -159,39 +159,51 @@ def pick(logits: Tensor, batch: SamplingBatch, positions: Tensor, span: int | No
 
 
 def _draw_plain(logits: Tensor, rows: SampledRows, positions: Tensor, span: int | None) -> Tensor:
-    x = _scaled(logits, rows)
-    S, N, V = x.shape
-    tokens = torch.arange(V, device=x.device)
+    S, N, V = logits.shape
+    x = _scaled(logits, rows).view(S * N, V)
+    table, row = _vocab_noise(rows.key, positions, span, V, x.dtype)
+    x += table if row is None else table[row]
+    return x.argmax(-1).view(S, N)
+
+
+def _vocab_noise(keys: Tensor, positions: Tensor, span: int | None, V: int, dtype: torch.dtype):
+    """Noise over the whole vocabulary, hashed once per distinct position (nodes at one depth
+    share a position, hence their noise): table [S * P, V] and each node's row in it [S * N],
+    or None when the rows are the nodes themselves."""
+    S, N = positions.shape
+    tokens = torch.arange(V, device=positions.device)
     if span is None or span >= N:
-        x += gumbel_noise(position_keys(rows.key, positions)[..., None], tokens, x.dtype)
-        return x.argmax(-1)
-    # Nodes at one depth share a position, hence their noise: hash each position once.
+        return gumbel_noise(position_keys(keys, positions).view(-1, 1), tokens, dtype), None
     base = positions.amin(1, keepdim=True)
-    table = gumbel_noise(position_keys(rows.key, base + torch.arange(span, device=x.device))[..., None], tokens, x.dtype)
-    x += table.gather(1, (positions - base)[..., None].expand(S, N, V))
-    return x.argmax(-1)
+    steps = torch.arange(span, device=positions.device)
+    table = gumbel_noise(position_keys(keys, base + steps).view(-1, 1), tokens, dtype)
+    return table, (span * torch.arange(S, device=positions.device)[:, None] + positions - base).view(-1)
 
 
 def _draw_restricted(logits: Tensor, rows: SampledRows, positions: Tensor, span: int | None) -> Tensor:
     """Gumbel-max over the kept tokens only: the noise is a function of the token id, so hashing
     just the candidates gives the same pick as hashing the whole vocabulary."""
-    x = _top_k(_scaled(logits, rows), rows)
-    V = x.shape[-1]
-    probs = torch.softmax(x, -1)
-    K = _num_candidates(rows, V)
-    vals, ids = _ranked_candidates(probs, K)
-    keep = _nucleus(vals, rows.top_p[:, None, None]) if rows.use_top_p else torch.ones_like(vals, dtype=torch.bool)
-    pkeys = position_keys(rows.key, positions)
-    score = torch.where(keep, x.gather(-1, ids), NEG_INF) + gumbel_noise(pkeys[..., None], ids, x.dtype)
-    out = ids.gather(-1, score.argmax(-1, keepdim=True))[..., 0]
-    if K < V:
-        missed = ~_resolved(vals, keep)
-        if bool(missed.any()):  # the one host read: only top-p with a wide nucleus, or k-th ties
-            s, n = missed.nonzero(as_tuple=True)
-            full = _full_keep(probs[s, n], rows.top_p[s, None]) if rows.use_top_p else torch.ones_like(probs[s, n], dtype=torch.bool)
-            score = torch.where(full, x[s, n], NEG_INF) + gumbel_noise(pkeys[s, n, None], torch.arange(V, device=x.device), x.dtype)
-            out[s, n] = score.argmax(-1)
-    return out
+    S, N, V = logits.shape
+    x, probs, first = _restricted(logits, rows)
+    pkeys = position_keys(rows.key, positions).view(-1)
+    out = torch.empty(S * N, dtype=torch.long, device=logits.device)
+    for nodes, ids, keep in _decide(probs, _node_top_p(rows, N), _levels(rows, V), first):
+        xs, pk = (x, pkeys) if nodes is None else (x[nodes], pkeys[nodes])
+        if ids is None:  # decided by the full sort: the whole vocabulary competes
+            if span is not None and len(nodes) > S * span:
+                table, row = _vocab_noise(rows.key, positions, span, V, x.dtype)
+                noise = table[nodes] if row is None else table[row[nodes]]
+            else:
+                noise = gumbel_noise(pk[:, None], torch.arange(V, device=x.device), x.dtype)
+            tokens = (torch.where(keep, xs, NEG_INF) + noise).argmax(-1)
+        else:
+            score = torch.where(keep, xs.gather(-1, ids), NEG_INF) + gumbel_noise(pk[:, None], ids, x.dtype)
+            tokens = ids.gather(-1, score.argmax(-1, keepdim=True))[:, 0]
+        if nodes is None:
+            out = tokens
+        else:
+            out[nodes] = tokens
+    return out.view(S, N)
 
 
 def processed_logprobs(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -203,17 +215,33 @@ def processed_logprobs(logits: Tensor, batch: SamplingBatch) -> Tensor:
         if rows is None:
             continue
         sub = logits if rows.index is None else logits[rows.index]
-        x = _scaled(sub, rows)
-        if rows is batch.restricted:
-            x = _top_k(x, rows)
+        S, N, V = sub.shape
+        if rows is batch.plain:
+            x = _scaled(sub, rows).view(S * N, V)
+        else:
+            x, probs, first = _restricted(sub, rows)
             if rows.use_top_p:
-                x = x.masked_fill_(~_top_p_keep(x, rows), NEG_INF)
-        lp = torch.log_softmax(x, -1)
+                x = x.masked_fill(~_kept(probs, _decide(probs, _node_top_p(rows, N), _levels(rows, V), first)), NEG_INF)
+        lp = torch.log_softmax(x, -1).view(S, N, V)
         if rows.index is None:
             out = lp
         else:
             out[rows.index] = lp
     return out
+
+
+def _kept(probs: Tensor, decisions) -> Tensor:
+    """The full-vocabulary keep mask [U, V] from `_decide`'s per-level answers."""
+    kept = torch.empty_like(probs, dtype=torch.bool)
+    for nodes, ids, keep in decisions:
+        ps = probs if nodes is None else probs[nodes]
+        if ids is not None:  # no tie straddles the cut: keep every token >= the last kept
+            keep = ps >= ps.gather(-1, ids.gather(-1, keep.sum(-1, keepdim=True) - 1))
+        if nodes is None:
+            kept = keep
+        else:
+            kept[nodes] = keep
+    return kept
 
 
 # ---- the distribution, batched ----------------------------------------------------------------
@@ -227,38 +255,69 @@ def _scaled(logits: Tensor, rows: SampledRows) -> Tensor:
     return x.mul_(scale.view(-1, *[1] * (x.dim() - 1)))
 
 
-def _top_k(x: Tensor, rows: SampledRows) -> Tensor:
-    """Drop (in place) every token below each row's k-th largest; rows with k off or >= V keep all."""
-    V = x.shape[-1]
-    kmax = max((k for k in rows.top_ks if 0 < k < V), default=0)
-    if kmax == 0:
-        return x
-    k = rows.top_k.clamp(1, kmax).view(-1, 1, 1).expand(*x.shape[:-1], 1)
-    kth = x.topk(kmax, -1).values.gather(-1, k - 1)
-    active = ((rows.top_k > 0) & (rows.top_k < V)).view(-1, 1, 1)
-    return x.masked_fill_(active & (x < kth), NEG_INF)
+def _max_top_k(rows: SampledRows, V: int) -> int:
+    return max((k for k in rows.top_ks if 0 < k < V), default=0)
 
 
-def _num_candidates(rows: SampledRows, V: int) -> int:
-    """kmax + 1, so that the last candidate having probability 0 proves nothing was left out."""
-    kmax = max((k for k in rows.top_ks if 0 < k < V), default=0)
-    K = max(kmax + 1, CANDIDATES if rows.use_top_p else 1)
-    return min(K, V)
+def _levels(rows: SampledRows, V: int) -> list[int]:
+    """Candidate counts to try, smallest first. kmax + 1, so that a last candidate of probability
+    0 proves nothing was left out; top-p widens through CANDIDATES before it sorts everything."""
+    sizes = CANDIDATES if rows.use_top_p else (1,)
+    return sorted({min(max(_max_top_k(rows, V) + 1, c), V) for c in sizes})
 
 
-def _ranked_candidates(probs: Tensor, K: int) -> tuple[Tensor, Tensor]:
-    """The K most probable tokens ranked by (probability desc, id asc), the full sort's order."""
-    vals, ids = probs.topk(K, -1)
-    ids, order = ids.sort(-1)
-    vals, order = vals.gather(-1, order).sort(dim=-1, descending=True, stable=True)
-    return vals, ids.gather(-1, order)
+def _node_top_p(rows: SampledRows, N: int) -> Tensor | None:
+    return rows.top_p[:, None].expand(-1, N).reshape(-1, 1) if rows.use_top_p else None
+
+
+def _restricted(logits: Tensor, rows: SampledRows) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+    """Scaled, top-k-masked logits and their probabilities with nodes flattened, [S*N, V] each,
+    and the first level's candidates (ids, probabilities) [S*N, K]. One topk gives both those
+    and the k-th value: softmax is monotone, so ranking by logit ranks the probabilities alike."""
+    S, N, V = logits.shape
+    x = _scaled(logits, rows).view(S * N, V)
+    top, ids = x.topk(_levels(rows, V)[0], -1)
+    kmax = _max_top_k(rows, V)
+    if kmax:
+        k = rows.top_k.clamp(1, kmax)[:, None].expand(-1, N).reshape(-1, 1)
+        active = ((rows.top_k > 0) & (rows.top_k < V))[:, None].expand(-1, N).reshape(-1, 1)
+        x = x.masked_fill_(active & (x < top.gather(-1, k - 1)), NEG_INF)
+    probs = torch.softmax(x, -1)
+    return x, probs, (ids, probs.gather(-1, ids))
+
+
+def _decide(probs: Tensor, top_p: Tensor | None, sizes: list[int], first: tuple[Tensor, Tensor]):
+    """Each node's kept set, from as few candidates as decide it exactly.
+
+    Yields (nodes, ids, keep): the nodes (None = all) tried at a level, their candidate ids
+    [U, K] ranked by probability, and the keep mask over those; last, for nodes no level
+    decided, ids None and the full sort's keep mask [U, V]. A node a level leaves undecided
+    comes again later, and the consumer must overwrite what it wrote for it. Host reads: one
+    per level after the first that is needed, and one after the first.
+    """
+    nodes = None
+    for level, K in enumerate(sizes):
+        if level == 0:
+            ids, vals = first
+        else:
+            vals, ids = probs[nodes].topk(K, -1)
+        tp = None if top_p is None else top_p if nodes is None else top_p[nodes]
+        keep = torch.ones_like(vals, dtype=torch.bool) if tp is None else _nucleus(vals, tp)
+        yield nodes, ids, keep
+        undecided = (~_decided(vals, keep, probs.shape[-1])).nonzero()[:, 0]
+        nodes = undecided if nodes is None else nodes[undecided]
+        if nodes.numel() == 0:
+            return
+    p = probs[nodes]
+    yield nodes, None, torch.ones_like(p, dtype=torch.bool) if top_p is None else _full_keep(p, top_p[nodes])
 
 
 def _nucleus(ranked: Tensor, top_p: Tensor) -> Tensor:
     """Keep mask over a ranked prefix: drop a token when the mass ranked above it is >= top_p.
 
     The exclusive cumsum is made monotone so the kept set is always a prefix; the top token is
-    always kept (top_p may underflow to 0 in float32). top_p >= 1 keeps everything.
+    always kept (top_p may underflow to 0 in float32). top_p >= 1 keeps everything. Tied
+    probabilities are equal values, so their order does not change the cumsum.
     """
     tp = top_p.to(ranked.dtype)
     before = F.pad(ranked.cumsum(-1)[..., :-1], (1, 0)).cummax(-1).values
@@ -267,45 +326,30 @@ def _nucleus(ranked: Tensor, top_p: Tensor) -> Tensor:
     return keep | (top_p >= 1.0)
 
 
-def _resolved(ranked: Tensor, keep: Tensor) -> Tensor:
-    """Whether the candidates decide a node's kept set exactly as the full sort would.
+def _decided(ranked: Tensor, keep: Tensor, V: int) -> Tensor:
+    """Whether K candidates (ranked by probability, ties in any order) fix a node's kept set
+    exactly as the full stable sort would.
 
-    Yes when the last candidate has probability 0 (every positive token is a candidate), or
-    when the nucleus ends inside the candidates strictly above the last candidate's value: every
-    token above that value is a candidate and the (prob, id) ranking orders them alike.
+    The cut must not split tokens of one probability (the full sort keeps the lower ids of such
+    a tie, and topk returns ties in no particular order), unless that probability is 0, which
+    nothing samples. And either the cut falls inside the candidates (then every token above
+    the next candidate's probability is a candidate), or nothing was left out: the last
+    candidate has probability 0, or K = V.
     """
     K = ranked.shape[-1]
     m = keep.sum(-1, keepdim=True)
-    last = ranked[..., -1:]
-    inside = (m < K) & (ranked.gather(-1, m - 1) > last)
-    return ((last == 0) | inside)[..., 0]
+    p_last = ranked.gather(-1, m - 1)
+    p_next = ranked.gather(-1, m.clamp(max=K - 1))
+    inside = m < K
+    whole_tie = ~inside | (p_next < p_last) | (p_last == 0)
+    complete = (ranked[..., -1:] == 0) | (K == V)
+    return (whole_tie & (inside | complete))[..., 0]
 
 
 def _full_keep(probs: Tensor, top_p: Tensor) -> Tensor:
     """The definition: a stable full sort (ties: lower id first), then the nucleus rule."""
     ranked, order = probs.sort(dim=-1, descending=True, stable=True)
     return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, _nucleus(ranked, top_p))
-
-
-def _top_p_keep(x: Tensor, rows: SampledRows) -> Tensor:
-    """Full-vocabulary top-p keep mask [S, N, V], from the candidates where they decide it."""
-    probs = torch.softmax(x, -1)
-    V = x.shape[-1]
-    top_p = rows.top_p[:, None, None]
-    K = _num_candidates(rows, V)
-    if K >= V:
-        return _full_keep(probs, top_p)
-    vals, ids = _ranked_candidates(probs, K)
-    keep = _nucleus(vals, top_p)
-    last = keep.sum(-1, keepdim=True) - 1
-    p_last, i_last = vals.gather(-1, last), ids.gather(-1, last)
-    tokens = torch.arange(V, device=x.device)
-    full = (probs > p_last) | ((probs == p_last) & (tokens <= i_last))
-    missed = ~_resolved(vals, keep)
-    if bool(missed.any()):
-        s, n = missed.nonzero(as_tuple=True)
-        full[s, n] = _full_keep(probs[s, n], rows.top_p[s, None])
-    return full | (top_p >= 1.0)
 
 
 # ---- the definition, one request at a time (tests and docs compare against it) ---------------

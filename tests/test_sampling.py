@@ -155,8 +155,9 @@ def test_pick_is_gumbel_max_over_the_definition(V):
     logits = mixed_logits(V, seed=1)
     seeds = [p.seed or 0 for p in MIXED]
     batch = SamplingBatch.build(MIXED, seeds, torch.device("cpu"))
-    positions = torch.arange(5)[None].repeat(len(MIXED), 1) + 40
+    positions = torch.tensor([0, 1, 1, 2, 2])[None].repeat(len(MIXED), 1) + 40 + torch.arange(len(MIXED))[:, None]
     picks = pick(logits, batch, positions)
+    assert torch.equal(picks, pick(logits, batch, positions, span=3))
     assert torch.equal(picks[0], logits[0].argmax(-1))
     tokens = torch.arange(V)
     for r, p in enumerate(MIXED[1:], 1):
@@ -194,6 +195,25 @@ def test_noise_is_shared_by_position_not_by_node():
         obs, exp = counts[seen].numpy(), want[seen].numpy()
         assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
         assert counts[~(want > 0)].sum() == 0  # never a dropped token
+
+
+def test_wide_nuclei_fall_back_to_the_full_sort_exactly():
+    """Flat rows whose top-p nucleus is wider than every candidate level: the full-sort fallback,
+    hashed per node or per position, picks what Gumbel-max over the definition picks."""
+    g = torch.Generator().manual_seed(6)
+    V, N = 3000, 12
+    logits = torch.randn(2, N, V, generator=g) * 0.3
+    params = [SamplingParams(temperature=1.0, top_p=0.99, seed=1), SamplingParams(temperature=2.0, top_p=0.95, seed=2)]
+    batch = SamplingBatch.build(params, [1, 2], torch.device("cpu"))
+    positions = torch.tensor([0, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3])[None] + torch.tensor([[7], [19]])
+    picks = pick(logits, batch, positions, span=4)
+    assert torch.equal(picks, pick(logits, batch, positions))
+    for r, p in enumerate(params):
+        assert (probabilities(logits[r], p) > 0).sum(-1).min() > 1024  # wider than the candidates
+        keys = position_keys(torch.tensor([seed_key(p.seed)]), positions[r : r + 1])[0]
+        noise = gumbel_noise(keys[:, None], torch.arange(V), torch.float32)
+        want = (torch.where(probabilities(logits[r], p) > 0, scaled_top_k(logits[r], p), float("-inf")) + noise).argmax(-1)
+        assert torch.equal(picks[r], want)
 
 
 def test_same_seed_same_pick_in_any_batch():
