@@ -292,10 +292,10 @@ def _decide(probs: Tensor, top_p: Tensor | None, sizes: list[int], first: tuple[
     Yields (nodes, ids, keep): the nodes (None = all) tried at a level, their candidate ids
     [U, K] ranked by probability, and the keep mask over those; last, for nodes no level
     decided, ids None and the full sort's keep mask [U, V]. A node a level leaves undecided
-    comes again later, and the consumer must overwrite what it wrote for it. Host reads: one
-    per level after the first that is needed, and one after the first.
+    comes again later, and the consumer must overwrite what it wrote for it. Host reads: a few
+    per level, only while some node is undecided.
     """
-    nodes = None
+    nodes, to_sort = None, []
     for level, K in enumerate(sizes):
         if level == 0:
             ids, vals = first
@@ -304,26 +304,39 @@ def _decide(probs: Tensor, top_p: Tensor | None, sizes: list[int], first: tuple[
         tp = None if top_p is None else top_p if nodes is None else top_p[nodes]
         keep = torch.ones_like(vals, dtype=torch.bool) if tp is None else _nucleus(vals, tp)
         yield nodes, ids, keep
-        undecided = (~_decided(vals, keep, probs.shape[-1])).nonzero()[:, 0]
-        nodes = undecided if nodes is None else nodes[undecided]
+        undecided = ~_decided(vals, keep, probs.shape[-1])
+        here = torch.arange(len(vals), device=vals.device) if nodes is None else nodes
+        if tp is not None and level + 1 < len(sizes):
+            # Each token past the K-th holds at most the K-th's probability: a nucleus that the
+            # next level cannot hold even then goes straight to the sort (margin for rounding).
+            reach = vals.sum(-1, keepdim=True) + (sizes[level + 1] - K) * vals[:, -1:]
+            hopeless = undecided & (reach * 1.001 < tp)[:, 0]
+            to_sort.append(here[hopeless])
+            undecided &= ~hopeless
+        nodes = here[undecided]
         if nodes.numel() == 0:
-            return
-    p = probs[nodes]
-    yield nodes, None, torch.ones_like(p, dtype=torch.bool) if top_p is None else _full_keep(p, top_p[nodes])
+            break
+    nodes = torch.cat([*to_sort, nodes])
+    if nodes.numel():
+        p = probs[nodes]
+        yield nodes, None, torch.ones_like(p, dtype=torch.bool) if top_p is None else _full_keep(p, top_p[nodes])
 
 
 def _nucleus(ranked: Tensor, top_p: Tensor) -> Tensor:
     """Keep mask over a ranked prefix: drop a token when the mass ranked above it is >= top_p.
 
-    The exclusive cumsum is made monotone so the kept set is always a prefix; the top token is
-    always kept (top_p may underflow to 0 in float32). top_p >= 1 keeps everything. Tied
-    probabilities are equal values, so their order does not change the cumsum.
+    Everything from the first dropped token on is dropped, so the kept set is a prefix even
+    where a parallel cumsum is not monotone; the top token is always kept (top_p may underflow
+    to 0 in float32). top_p >= 1 keeps everything. Tied probabilities are equal values, so
+    their order does not change the cumsum.
     """
-    tp = top_p.to(ranked.dtype)
-    before = F.pad(ranked.cumsum(-1)[..., :-1], (1, 0)).cummax(-1).values
-    keep = before < tp
-    keep[..., 0] = True
-    return keep | (top_p >= 1.0)
+    K = ranked.shape[-1]
+    before = F.pad(ranked.cumsum(-1)[..., :-1], (1, 0))
+    drop = before >= top_p.to(ranked.dtype)
+    drop[..., 0] = False
+    first = drop.to(torch.uint8).argmax(-1, keepdim=True)  # the first drop, or 0 when none
+    first = torch.where(drop.gather(-1, first), first, K)
+    return (torch.arange(K, device=ranked.device) < first) | (top_p >= 1.0)
 
 
 def _decided(ranked: Tensor, keep: Tensor, V: int) -> Tensor:
