@@ -128,7 +128,7 @@ def measure_cost_curve(target, drafter, tree_sizes: list[int], chain_sizes: list
             picked = {}
             for k, p in params.items():
                 s0 = time.perf_counter()
-                sampler.pick(out.logits, sampler.SamplingBatch.build([p], [0], device), positions + 1, spec.depth_bound + 1)
+                sampler.pick(out.logits, sampler.SamplingBatch.build([p], [0], device), ctx.positions + 1, spec.depth_bound + 1)
                 _sync(device)
                 picked[k] = time.perf_counter() - s0
             if rep >= warmup:
