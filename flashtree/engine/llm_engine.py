@@ -15,6 +15,7 @@ from flashtree.engine.sequence import STAGES, Request, Status
 from flashtree.errors import FlashtreeError, PromptTooLong
 from flashtree.models.dflash import load_drafter
 from flashtree.models.loader import eos_token_ids, load_target, parse_dtype
+from flashtree.sampler import fresh_seed
 from flashtree.sampling import SamplingParams
 
 
@@ -152,7 +153,7 @@ class LLMEngine:
         req = Request(ids, params)
         if request_id is not None:
             req.request_id = request_id
-        req.generator = params.generator(self.device)
+        req.seed = fresh_seed() if params.seed is None else params.seed
         self.scheduler.add(req)
         return req
 
