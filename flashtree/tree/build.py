@@ -73,12 +73,11 @@ def _token_topk(lp: Tensor, k: int, host: bool) -> tuple[Tensor, Tensor]:
     if not host:
         top_lp, top_id = _tie_fix(flat, top_lp, top_id, t.reshape(R * D))
     else:
-        if c == k:
-            need = (lp == t).sum(-1) > (vals == t).sum(-1)
-        else:
-            need = vals[..., -1:] == t
-        rows = need.flatten().nonzero()[:, 0]
-        if rows.numel():
+        # S holds all k entries >= t unless another one equals t: more than k entries >= t, or
+        # (with the margin) the last candidate still equal to t.
+        need = (lp >= t).sum(-1) > k if c == k else vals[..., -1:] == t
+        if need.any():
+            rows = need.flatten().nonzero()[:, 0]
             top_lp[rows], top_id[rows] = _tie_fix(flat[rows], top_lp[rows], top_id[rows], t.reshape(R * D)[rows])
     return top_lp.view(R, D, k), top_id.view(R, D, k)
 
@@ -115,6 +114,28 @@ def _pairs(width: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
     parent = torch.repeat_interleave(p, counts, output_size=total)
     token = torch.arange(total) - torch.repeat_interleave(starts, counts, output_size=total)
     return parent.to(device), token.to(device)
+
+
+def _levels_needed(tok_lp: Tensor, width: int) -> int:
+    """How many depths can hold a node of any row's top-`width` tree, from one host read of tok_lp [R, D, K].
+
+    The best prefix of each length is the chain of top tokens (float32 rounding is monotone), and
+    a deeper prefix never beats it, so chain[d+1] bounds every prefix longer than d+1. The `width`
+    prefixes "chain of length e, then one of the K = width best tokens at depth e+1" are distinct
+    and scored exactly as the builder scores them; the worst of them is chain[e] + the K-th token.
+    Once chain[d+1] is below the best such floor over e <= d in every row, at least `width`
+    shallower prefixes outrank every deeper one (ties go to the shallower), so levels past d+1
+    cannot change the tree.
+    """
+    top = tok_lp.detach().cpu().numpy()  # per (row, depth): log-probs sorted descending
+    R, D, K = top.shape
+    if K < width:  # fewer than `width` tokens per depth: no cheap floor
+        return D
+    chain = np.add.accumulate(top[:, :, 0], axis=1, dtype=np.float32)  # sequential, in the builder's order
+    parent = np.concatenate([np.zeros((R, 1), np.float32), chain[:, :-1]], 1)
+    floor = np.maximum.accumulate(parent + top[:, :, -1], axis=1)
+    done = (chain[:, 1:] < floor[:, :-1]).all(0)  # [D-1]: nothing past depth d+1 can be placed
+    return int(done.argmax()) + 1 if done.any() else D
 
 
 def _width(budget: int | Tensor, max_budget: int | None) -> int:
@@ -160,24 +181,18 @@ def build_tree(root_tokens: Tensor, draft_logits: Tensor, budget: int | Tensor, 
     del lp
     pair_p, pair_t = _pairs(bmax, K, dev)
 
-    pair_lp = tok_lp[:, :, pair_t]  # [R, D, C]
+    if prune:
+        D = _levels_needed(tok_lp, bmax)
+    pair_lp = tok_lp[:, :D, pair_t].unbind(1)  # per depth [R, C]
     score = torch.full((R, bmax), float("-inf"), device=dev)  # level 0: the root alone
     score[:, 0] = 0.0
     scores, picked = [], []
-    best_next = tok_lp[:, :, 0].tolist() if prune else None
-    floor = [float("-inf")] * R  # per row: the worst score among the best bmax found so far
     for d in range(D):
-        score, sel = _topk(score[:, pair_p] + pair_lp[:, d], bmax)
+        # The pair list is in tie order, so a stable sort by score is the (score, position) rule.
+        score, sel = (score[:, pair_p] + pair_lp[d]).sort(dim=1, descending=True, stable=True)
+        score, sel = score[:, :bmax], sel[:, :bmax]
         scores.append(score)
         picked.append(sel)
-        if prune and d + 1 < D:
-            # Any deeper prefix scores at most (best at this level + best token at the next depth);
-            # once that is below bmax found prefixes in every row, no deeper node can be chosen.
-            top, last = score[:, [0, -1]].T.tolist()
-            floor = [max(f, x) for f, x in zip(floor, last)]
-            if all(t + b[d + 1] < f for t, b, f in zip(top, best_next, floor)):
-                break
-    D = len(scores)
     picked = torch.stack(picked, 1)  # [R, D, B] positions in the pair list
     scores = torch.stack(scores, 1).flatten(1)  # [R, D*B]; flat index d*B + rank follows the tie order
     parent_rank = pair_p[picked].flatten(1)
