@@ -10,6 +10,7 @@ Log-probs are `torch.log_softmax(draft_logits.float(), -1)` bit for bit (NaN log
 """
 import functools
 import heapq
+import operator
 
 import numpy as np
 import torch
@@ -46,9 +47,9 @@ def _token_topk(lp: Tensor, k: int, host: bool) -> tuple[Tensor, Tensor]:
        the number of entries > t. All g are in S (if one were outside, all c >= k members of S
        would be > t). So the exact answer is those g, then the k - g lowest-id entries equal to t.
     3. If every entry equal to t is in S too, _topk over S with the entries' own ids is exact.
-       That holds when min(S) < t (c = k + MARGIN), or when S holds as many entries equal to t
-       as the whole row (c = k; used where the CPU's topk would leave its fast partial sort,
-       64c > V, while 64k <= V still keeps it, e.g. k = 64 at V = 4096).
+       That holds when min(S) < t (c = k + MARGIN), or when only k entries of the row are >= t
+       (c = k; used where k + MARGIN would push the CPU's topk off its fast partial sort, which
+       needs 64c <= V, while c = k keeps it, e.g. k = 64 at V = 4096).
     4. Otherwise some entries equal to t may lie outside S (a tie group at t that outruns the
        margin), and _tie_fix finds the row's ties over the whole vocabulary. It is exact for any row
        given step 2, so without `host` it runs on every row with c = k (no host read, fixed shapes);
@@ -146,7 +147,11 @@ def _width(budget: int | Tensor, max_budget: int | None) -> int:
         width = int(budget.max())
     else:
         width = budget
-    if not isinstance(width, int) or width < 1:
+    try:
+        width = operator.index(width)
+    except TypeError:
+        raise FlashtreeError(f"tree budget must be a whole number of nodes, got {width!r}") from None
+    if width < 1:
         raise FlashtreeError(f"tree budget must be at least 1 node, got {width}; pass budget >= 1")
     return width
 
@@ -188,7 +193,8 @@ def build_tree(root_tokens: Tensor, draft_logits: Tensor, budget: int | Tensor, 
     score[:, 0] = 0.0
     scores, picked = [], []
     for d in range(D):
-        # The pair list is in tie order, so a stable sort by score is the (score, position) rule.
+        # The pair list is in tie order, so a stable sort by score is the (score, position) rule
+        # (scores are never -0.0: log_softmax gives +0.0 to a certain token, so zeros cannot split a tie).
         score, sel = (score[:, pair_p] + pair_lp[d]).sort(dim=1, descending=True, stable=True)
         score, sel = score[:, :bmax], sel[:, :bmax]
         scores.append(score)
