@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
@@ -17,7 +16,8 @@ from flashtree.engine.sequence import (STAGES, Request, RequestGroup, Status, To
                                        new_request_id)
 from flashtree.errors import FlashtreeError, PromptTooLong
 from flashtree.models.dflash import load_drafter
-from flashtree.models.loader import load_target, parse_dtype
+from flashtree.models.loader import eos_token_ids, load_target, parse_dtype
+from flashtree.sampler import fresh_seed
 from flashtree.sampling import SamplingParams
 
 
@@ -102,14 +102,11 @@ class LLMEngine:
         return PrefixCache(self.config.max_batch, recurrent=self.runner.cache.recurrent)
 
     def _eos_ids(self) -> set[int]:
-        ids = set()
+        """The tokenizer's EOS and the checkpoint's (generation_config.json through transformers'
+        GenerationConfig, and config.json)."""
+        ids = eos_token_ids(self.target)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
-        for name in ("config.json", "generation_config.json"):
-            file = self.target.source_dir / name
-            if file.is_file():
-                eos = json.loads(file.read_text()).get("eos_token_id")
-                ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         return ids
 
     # ---- requests -------------------------------------------------------------------------
@@ -118,7 +115,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise FlashtreeError("this target ships no tokenizer; pass token id lists instead of text")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            # The tokenizer's own special tokens (Llama's BOS), unless the text already starts with
+            # them, as a chat template renders it; token-id prompts are taken as given.
+            bos = self.tokenizer.bos_token
+            ids = self.tokenizer.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))
         else:
             ids = list(prompt)
         if not ids:
@@ -189,8 +189,7 @@ class LLMEngine:
 
     def _sample(self, ids: list[int], params: SamplingParams, request_id: str, index: int) -> Request:
         req = Request(ids, params, request_id=request_id, index=index)
-        seed = None if params.seed is None else derived_seed(params.seed, index)
-        req.generator = _generator(params, seed, self.device)
+        req.seed = fresh_seed() if params.seed is None else derived_seed(params.seed, index)
         # best_of ranks samples by cumulative logprob, so it needs them even when not asked.
         if params.logprobs is not None or params.num_samples > params.n:
             req.logprobs = []
@@ -367,18 +366,6 @@ class LLMEngine:
             if trim_stop(req.text + delta, req.params.stop, search_from)[1]:
                 return new[:j]
         return new
-
-
-def _generator(params: SamplingParams, seed: int | None, device: torch.device) -> torch.Generator | None:
-    """A private RNG per sample, so a seeded sample draws the same under any batch."""
-    if params.greedy:
-        return None
-    g = torch.Generator(device=device)
-    if seed is None:
-        g.seed()
-    else:
-        g.manual_seed(seed)
-    return g
 
 
 def trim_stop(text: str, stops: list[str], search_from: int) -> tuple[str, bool]:

@@ -1,7 +1,8 @@
 """Log-probabilities of committed tokens, from the target's own distribution at each position.
 
 The distribution is the one the token was sampled from: the logits after temperature, top-k and
-top-p (vLLM's "processed_logprobs" mode); greedy requests get the plain log-softmax. Every
+top-p (vLLM's "processed_logprobs" mode; flashtree.sampler.processed_logprobs computes it);
+greedy requests get the plain log-softmax. Every
 method commits a token from that same distribution (the verify forward computes the target's
 logits at every tree node; the accepted path's nodes are the committed positions), so ar,
 dflash and ddtree return the same logprobs for the same tokens. Tokens a filter dropped have
@@ -17,16 +18,6 @@ import torch
 from torch import Tensor
 
 from flashtree.engine.sequence import TokenLogprob
-from flashtree.sampling import SamplingParams, probabilities
-
-
-def distribution_logprobs(logits: Tensor, params: list[SamplingParams]) -> Tensor:
-    """Log-probs [R, N, V] of the distribution each row samples from (logits [R, N, V])."""
-    out = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
-    for r, p in enumerate(params):
-        if not p.greedy:
-            out[r] = probabilities(logits[r], p).log()
-    return out
 
 
 def pack(logprobs: Tensor, tokens: Tensor, k: int) -> Tensor:

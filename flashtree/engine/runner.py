@@ -21,11 +21,11 @@ from torch import Tensor
 from flashtree.config import EngineConfig
 from flashtree.cache import RecurrentState
 from flashtree.engine.budget import AutoBudget
-from flashtree.engine.logprobs import distribution_logprobs, pack, unpack
+from flashtree.engine.logprobs import pack, unpack
 from flashtree.engine.sequence import Request, TokenLogprob
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
-from flashtree.sampling import pick_tokens
+from flashtree.sampler import SamplingBatch, pick, processed_logprobs
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
 from flashtree.tree.budget import expected_accepts, truncate
 
@@ -146,7 +146,7 @@ class ModelRunner:
             return
         k = req.params.prompt_logprobs
         tokens = req.prompt_ids[start + 1:start + 1 + count]
-        lp = distribution_logprobs(logits[:, :count], [req.params])
+        lp = processed_logprobs(logits[:, :count], SamplingBatch.build([req.params], [req.seed], self.device))
         packed = pack(lp, torch.tensor([tokens], device=self.device), k)
         req.prompt_logprobs.extend(unpack(packed.flatten().tolist(), tokens, k, k))
 
@@ -155,11 +155,13 @@ class ModelRunner:
         """Each sample's first token from its prompt's last logits [1, 1, V] (one read), and its
         logprob entry for those that keep logprobs."""
         x = logits.expand(len(reqs), -1, -1)
-        picks = pick_tokens(x, [r.params for r in reqs], [r.generator for r in reqs])
+        sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device)
+        position = torch.full((len(reqs), 1), len(reqs[0].prompt_ids), device=self.device)
+        picks = pick(x, sampling, position)
         k = max((r.params.logprobs or 0 for r in reqs if r.logprobs is not None), default=None)
         if k is None:
             return picks[:, 0].tolist(), [None] * len(reqs)
-        packed = pack(distribution_logprobs(x, [r.params for r in reqs]), picks, k)
+        packed = pack(processed_logprobs(x, sampling), picks, k)
         rows = torch.cat([picks.double(), packed.flatten(1)], dim=1).tolist()
         tokens = [int(row[0]) for row in rows]
         return tokens, [unpack(row[1:], [t], r.params.logprobs or 0, k) if r.logprobs is not None else None
@@ -172,14 +174,15 @@ class ModelRunner:
         self.clock.seconds = {}
         slots = [r.slot for r in reqs]
         batch, roots = self.inputs.upload(slots, [self.cache.lengths[s] for s in slots], [r.bonus for r in reqs])
+        sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device)
         spec, plan = self.draft(batch, roots, reqs)
         with self.clock.stage("verify"):
             ctx = ForwardContext.verify(self.cache, batch, spec)
             out = self.target(spec.tokens.clamp(min=0), ctx, self.feature_layers)
-            picks = pick_tokens(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
+            picks = pick(out.logits, sampling, ctx.positions + 1, spec.depth_bound + 1)
         with self.clock.stage("commit"):
             walk = accept_walk(spec, picks)
-            scores = self.round_logprobs(out.logits, walk.path, walk.tokens, reqs)
+            scores = self.round_logprobs(out.logits, walk.path, walk.tokens, reqs, sampling)
             counts, emitted, logprobs = self.read_round(walk.num_nodes, walk.tokens, reqs, plan, scores)
             self.cache.commit(ctx, counts, walk.path, walk.num_nodes)
         if self.drafter is not None:
@@ -224,15 +227,15 @@ class ModelRunner:
         gains = [mean[c] * len(reqs) for c in range(columns)]  # requests without a record count as the mean
         return self.auto.choose_gains(gains, len(reqs), cap)
 
-    def round_logprobs(self, logits: Tensor, path: Tensor, tokens: Tensor, reqs: list[Request]) -> Tensor | None:
+    def round_logprobs(self, logits: Tensor, path: Tensor, tokens: Tensor, reqs: list[Request],
+                       sampling: SamplingBatch) -> Tensor | None:
         """[R, A * (1 + 2k)]: the emitted tokens' logprobs and top-k at the accepted path's nodes
         (whose verify logits gave those tokens), when some request keeps logprobs."""
         keep = [r for r in reqs if r.logprobs is not None]
         if not keep:
             return None
         k = max(r.params.logprobs or 0 for r in keep)
-        lp = distribution_logprobs(gather_nodes(logits, path), [r.params for r in reqs])
-        return pack(lp, tokens, k).flatten(1)
+        return pack(processed_logprobs(gather_nodes(logits, path), sampling), tokens, k).flatten(1)
 
     def read_round(self, num_nodes: Tensor, tokens: Tensor, reqs: list[Request], plan: AutoPlan | None,
                    scores: Tensor | None = None) -> tuple[list[int], list[list[int]], list[list[TokenLogprob] | None]]:

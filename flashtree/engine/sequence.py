@@ -9,8 +9,6 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import torch
-
 from flashtree.sampling import SamplingParams
 
 STAGES = ("prefill", "draft", "tree", "verify", "commit")
@@ -89,7 +87,7 @@ class Request:
     prefix_offset: int = 0  # incremental detokenization window: ids[prefix_offset:read_offset]
     read_offset: int = 0  # was decoded last round
     stats: RequestStats = field(default_factory=RequestStats)
-    generator: torch.Generator | None = None
+    seed: int = 0  # keys the sampling noise: derived from params.seed, or fresh random bits (see add_group)
     group: RequestGroup | None = None
     index: int = 0  # which sample of its group
     logprobs: list[TokenLogprob] | None = None  # per output token, when asked (or best_of needs them)
