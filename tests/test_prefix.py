@@ -164,3 +164,23 @@ def test_sliding_window_drafters_turn_reuse_off(tmp_path):
     assert eng.prefix is None
     with torch.no_grad():
         run_one_by_one(eng, PROMPTS[:2], SamplingParams(max_tokens=4))
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid", "sliding"])
+def test_group_samples_copy_the_whole_prompt_state(pairs, tmp_path, kind):
+    """n greedy samples, whose prompt K/V (hybrid: and recurrent state; sliding drafter: and
+    ring) are copies of the first sample's, each decode exactly like a single request, with the
+    same acceptance (so the drafter's copied context is the same too)."""
+    pair = pairs.get(kind)
+    if kind == "sliding":
+        target = make_target(tmp_path / "t", vocab=16, logit_scale=3.0)
+        pair = (target, make_drafter(tmp_path / "d", target_layers=4, vocab=16, block_size=4,
+                                     layer_types=["sliding_attention", "full_attention"], sliding_window=8))
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    single = run_one_by_one(engine(pair, False, max_batch=3), PROMPTS[:1], params)[0]
+    eng = engine(pair, True, max_batch=3)
+    group = eng.add_group(PROMPTS[0], SamplingParams(n=3, max_tokens=20, ignore_eos=True))
+    while not group.finished:
+        eng.step()
+    for s in group.samples:
+        assert s.output_ids == single.output_ids and s.stats.accept_lengths == single.stats.accept_lengths

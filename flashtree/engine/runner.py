@@ -140,13 +140,15 @@ class ModelRunner:
         return out.logits[:, -1:] if end == len(req.prompt_ids) else None
 
     def score_prompt(self, req: Request, logits: Tensor, start: int, end: int) -> None:
-        """Prompt logprobs: logits [1, n, V] at positions start.. score prompt tokens start+1.."""
+        """Prompt logprobs: logits [1, n, V] at positions start.. score prompt tokens start+1..
+        under the target's plain distribution (log-softmax): no prompt token was sampled, so no
+        temperature or filter applies to it."""
         count = min(end, len(req.prompt_ids) - 1) - start
         if count <= 0:
             return
         k = req.params.prompt_logprobs
         tokens = req.prompt_ids[start + 1:start + 1 + count]
-        lp = processed_logprobs(logits[:, :count], SamplingBatch.build([req.params], [req.seed], self.device))
+        lp = torch.log_softmax(logits[:, :count].to(torch.promote_types(logits.dtype, torch.float32)), -1)
         packed = pack(lp, torch.tensor([tokens], device=self.device), k)
         req.prompt_logprobs.extend(unpack(packed.flatten().tolist(), tokens, k, k))
 
