@@ -12,6 +12,7 @@ from flashtree.engine.prefix_cache import PrefixCache
 from flashtree.engine.prompts import encode_chat, max_prompt_chars
 from flashtree.engine.runner import ModelRunner
 from flashtree.engine.scheduler import Scheduler
+from flashtree.engine.token_text import TokenText
 from flashtree.engine.sequence import (STAGES, Request, RequestGroup, Status, TokenLogprob, derived_seed,
                                        new_request_id)
 from flashtree.errors import FlashtreeError, PromptTooLong
@@ -93,6 +94,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.max_batch, config.max_queue)
         self.runner = ModelRunner(config, self.target, self.drafter, device)
         self.prefix = self._prefix_cache()
+        self._token_text: TokenText | None = None
         self.last_round: RoundInfo | None = None
 
     def _prefix_cache(self) -> PrefixCache | None:
@@ -150,6 +152,18 @@ class LLMEngine:
         if bound is not None and chars > bound:
             raise PromptTooLong(f"the prompt has {chars} characters; the context holds {limit} tokens, and "
                                 f"prompts over {bound} characters are refused without tokenizing them")
+
+    def token_pieces(self, ids: list[int]) -> list[tuple[str, bytes]]:
+        """Each token alone: its text and its exact bytes (how logprobs list tokens)."""
+        if self.tokenizer is None:
+            return [(f"token_id:{i}", f"token_id:{i}".encode()) for i in ids]
+        if self._token_text is None:
+            self._token_text = TokenText(self.tokenizer)
+        return self._token_text.pieces(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids (special tokens skipped), e.g. a token-id prompt to echo."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def stats(self) -> EngineStats:
         s = self.scheduler
