@@ -168,8 +168,9 @@ def pick(logits: Tensor, batch: SamplingBatch, positions: Tensor, span: int | No
     predict, i.e. the node's own position + 1. span: a bound on the distinct positions per row
     (max - min < span; the tree's depth bound + 1), so plain rows hash noise once per position
     instead of once per node; None = N. Greedy rows take the argmax (ties: lowest id).
-    Host reads: none for greedy, temperature-only and top-k rows; top-p (or a tie at the k-th
-    value) reads a few small masks when some node is not settled by its first candidates.
+    Host reads: none for greedy and temperature-only rows, nor when the first candidate level
+    is the whole vocabulary; otherwise top-k/top-p rows read a few small masks (was every node
+    settled by its candidates?).
     """
     R, N, _ = logits.shape
     picks = logits.argmax(-1) if batch.greedy_rows else torch.empty(R, N, dtype=torch.long, device=logits.device)
