@@ -25,7 +25,7 @@ from flashtree.engine.logprobs import pack, unpack
 from flashtree.engine.sequence import Request, TokenLogprob
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
-from flashtree.sampler import SamplingBatch, pick, processed_logprobs
+from flashtree.sampler import SamplingBatch, SamplingStage, pick, processed_logprobs
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
 from flashtree.tree.budget import expected_accepts, truncate
 
@@ -85,6 +85,7 @@ class ModelRunner:
         self.cache = target.new_cache(config.max_batch, cache_len)
         self.draft_cache = drafter.new_cache(config.max_batch, cache_len) if drafter is not None else None
         self.inputs = InputStage(config.max_batch, device)
+        self.sampling_inputs = SamplingStage(config.max_batch, device)
         sync = config.stage_timing if config.stage_timing is not None else device.type != "cuda"
         self.clock = StageClock(device, sync)
         self.auto = None
@@ -157,7 +158,8 @@ class ModelRunner:
         """Each sample's first token from its prompt's last logits [1, 1, V] (one read), and its
         logprob entry for those that keep logprobs."""
         x = logits.expand(len(reqs), -1, -1)
-        sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device)
+        sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device,
+                                       self.sampling_inputs)
         position = torch.full((len(reqs), 1), len(reqs[0].prompt_ids), device=self.device)
         picks = pick(x, sampling, position)
         k = max((r.params.logprobs or 0 for r in reqs if r.logprobs is not None), default=None)
@@ -176,7 +178,7 @@ class ModelRunner:
         self.clock.seconds = {}
         slots = [r.slot for r in reqs]
         batch, roots = self.inputs.upload(slots, [self.cache.lengths[s] for s in slots], [r.bonus for r in reqs])
-        sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device)
+        sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device, self.sampling_inputs)
         spec, plan = self.draft(batch, roots, reqs)
         with self.clock.stage("verify"):
             ctx = ForwardContext.verify(self.cache, batch, spec)
