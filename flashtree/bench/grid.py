@@ -108,9 +108,10 @@ class BenchResult:
 
 
 def _engine_config(spec: BenchSpec, method: str, budget: int | str | None, max_model_len: int | None) -> EngineConfig:
+    # No prefix reuse: every pass runs the same prompts, and each should pay its prefill alike.
     return EngineConfig(target=spec.target, drafter=spec.drafter, method=method, budget=budget or 64,
                         device=spec.device, dtype=spec.dtype, max_batch=1, max_model_len=max_model_len,
-                        stage_timing=spec.stage_sync)
+                        stage_timing=spec.stage_sync, prefix_cache=False)
 
 
 def encode_prompt(engine: LLMEngine, prompt: Prompt) -> list[int]:
