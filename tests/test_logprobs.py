@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flashtree import LLM, EngineConfig, LLMEngine, SamplingParams
-from flashtree.config import DEMO_DRAFTER, DEMO_TARGET
+from flashtree.config import DEMO_TARGET
 from flashtree.engine.runner import ModelRunner
 from flashtree.engine.sequence import derived_seed
 from flashtree.sampler import probabilities
@@ -148,6 +148,3 @@ def test_groups_need_their_slots_at_once():
     with pytest.raises(Exception, match="add_group"):
         engine.add_request([1, 2], SamplingParams(n=2))
 
-
-def test_drafter_demo_pair_is_shipped():
-    assert (DEMO_DRAFTER / "config.json").is_file()
