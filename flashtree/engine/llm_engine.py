@@ -64,19 +64,37 @@ def load_tokenizer(path):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, share_weights: "LLMEngine | None" = None) -> None:
+    def __init__(self, config: EngineConfig, share_weights: "LLMEngine | None" = None, tp=None) -> None:
         """`share_weights`: an engine over the same checkpoints whose loaded modules to reuse, so
         several configurations (methods, budgets, limits) can run side by side without reloading;
-        each engine still owns its KV caches. The bench drives its grid this way."""
+        each engine still owns its KV caches. The bench drives its grid this way.
+
+        With config.tensor_parallel_size N > 1 this process is rank 0: the N - 1 worker
+        processes (started on first use, flashtree.parallel.workers) build the same engine on
+        their slices of the target while this one builds its own, and then follow its runner.
+        `tp` is how a worker's engine learns its rank (an EngineLink); callers leave it None."""
+        if tp is None and config.tensor_parallel_size > 1:
+            from flashtree.parallel import open_engine
+
+            with open_engine(self, config, share_weights) as tp:
+                self._build(config, share_weights, tp)
+        else:
+            self._build(config, share_weights, tp)
+
+    def _build(self, config: EngineConfig, share_weights: "LLMEngine | None", tp) -> None:
         self.config = config
-        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tp = tp
+        device = tp.device if tp is not None else torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = parse_dtype(config.dtype, device)
         self.device = device
         other = share_weights
-        if other is not None and (other.config.target, other.device, other.dtype) != (config.target, device, dtype):
-            raise FlashtreeError("share_weights needs an engine with the same target, device and dtype")
+        if other is not None and (other.config.target, other.device, other.dtype, other.config.tensor_parallel_size) != (
+                config.target, device, dtype, config.tensor_parallel_size):
+            raise FlashtreeError("share_weights needs an engine with the same target, device, dtype and "
+                                 "tensor_parallel_size")
         self.dtype = dtype
-        self.target = other.target if other is not None else load_target(config.target, dtype, device)
+        self.target = other.target if other is not None else load_target(config.target, dtype, device,
+                                                                          tp=tp.group if tp is not None else None)
         self.drafter = None
         if config.method != "ar":
             if other is not None and other.drafter is not None and other.config.drafter == config.drafter:
@@ -90,6 +108,8 @@ class LLMEngine:
         self.eos_ids = self._eos_ids()
         self.scheduler = Scheduler(config.max_batch, config.max_queue)
         self.runner = ModelRunner(config, self.target, self.drafter, device)
+        if tp is not None:  # rank 0: a runner the workers mirror (and everyone shares its measurements)
+            self.runner = tp.attach(self.runner)
         self.last_round: RoundInfo | None = None
 
     def _eos_ids(self) -> set[int]:
@@ -99,6 +119,16 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
+
+    def on_every_rank(self, fn, *args, rank0_kwargs: dict | None = None, **kwargs):
+        """fn(engine, *args, **kwargs) on this engine and, under tensor parallelism, on every
+        worker's copy of it at the same time: for work on the loaded models outside the round
+        loop, whose sharded forwards need every rank (the bench's cost curve). fn must be a
+        module-level function and the arguments picklable; `rank0_kwargs` (a progress callback)
+        go to this process's call alone. Returns this process's result."""
+        if self.tp is not None and self.tp.cluster is not None:
+            self.tp.run(fn, args, kwargs)
+        return fn(self, *args, **kwargs, **(rank0_kwargs or {}))
 
     # ---- requests -------------------------------------------------------------------------
 
