@@ -1,6 +1,7 @@
 """Per-round time with the target split over 2 ranks (tensor parallelism) against 1, on the CPU.
 
     python benchmarks/tp_cost.py --threads 1 --reps 5
+    python benchmarks/tp_cost.py --rss-mb 1024          # also: peak host RSS of loading one rank
 
 Runs the demo pair (or --target/--drafter) with tensor_parallel_size 1 and 2 side by side in
 one process (rank 0 here, rank 1 a spawned worker), each rank with --threads threads; the two
@@ -10,17 +11,66 @@ ratio. Also printed: each rank's target weights in bytes (what it holds in memor
 the whole target's. On the CPU each rank's share of a matmul shrinks while every decoder
 layer adds two all-reduces (plus the embedding's and the LM head's gather) through gloo, so
 for a small model TP=2 is slower: this measures by how much.
+
+--rss-mb writes a random Qwen3-shaped float32 checkpoint of that size (load_memory.py's) and
+loads it in a fresh process per rank, as a tensor-parallel rank does (load_target with
+tp=TensorParallel(rank, 2): no process group is needed to load), reporting each one's peak
+RSS above its post-import baseline next to the whole model's (Linux only).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from flashtree import LLM, SamplingParams
+
+
+CHILD = r"""
+import json, sys, torch
+import transformers  # the engine imports it anyway: not the loader's cost
+from flashtree.models.loader import load_target
+from flashtree.parallel import TensorParallel
+
+def hwm():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) * 1024
+
+rank, world = int(sys.argv[2]), int(sys.argv[3])
+with open("/proc/self/clear_refs", "w") as f:  # reset the peak to the current RSS
+    f.write("5")
+base = hwm()
+cpu = torch.device("cpu")
+model = load_target(sys.argv[1], torch.float32, cpu, tp=TensorParallel(rank, world, cpu) if world > 1 else None)
+print(json.dumps({"rss": hwm() - base, "weights": sum(p.numel() * p.element_size() for p in model.parameters())}))
+"""
+
+
+def load_rss(size_mb: float) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from load_memory import write_checkpoint
+
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        total = write_checkpoint(Path(tmp) / "ckpt", size_mb)
+        print(f"\nloading a {total / 1e6:.0f} MB float32 checkpoint (4 shards), a fresh process each:\n")
+        print("| ranks | rank | peak RSS delta MB | x checkpoint | weights held MB |")
+        print("|---|---|---|---|---|")
+        for world, rank in [(1, 0), (2, 0), (2, 1)]:
+            env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+            run = subprocess.run([sys.executable, "-c", CHILD, str(Path(tmp) / "ckpt"), str(rank), str(world)],
+                                 env=env, capture_output=True, text=True, check=True)
+            r = json.loads(run.stdout.strip().splitlines()[-1])
+            print(f"| {world} | {rank} | {r['rss'] / 1e6:.0f} | {r['rss'] / total:.2f} | {r['weights'] / 1e6:.0f} |",
+                  flush=True)
 
 
 def weight_bytes(model) -> int:
@@ -37,6 +87,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt", default="def parse_args(argv):\n    ")
+    ap.add_argument("--rss-mb", type=float, help="also measure loading one rank of a checkpoint this big")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -67,6 +118,8 @@ def main() -> None:
         del llms
     print(f"\ntarget weights: {sizes[1] / 2**20:.1f} MiB whole, {sizes[2] / 2**20:.1f} MiB on rank 0 of 2 "
           f"({sizes[2] / sizes[1]:.2f}; embeddings and LM head split too, norms replicated)")
+    if args.rss_mb:
+        load_rss(args.rss_mb)
 
 
 if __name__ == "__main__":

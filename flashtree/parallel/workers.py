@@ -272,6 +272,9 @@ def open_engine(engine, config, share_weights):
     share = getattr(share_weights, "tp", None)
     if share_weights is not None and share is None:
         raise FlashtreeError("share_weights needs an engine with the same tensor_parallel_size")
+    if share is not None and share.cluster is not cluster:
+        raise FlashtreeError("share_weights' engine ran on tensor-parallel workers that have since exited; "
+                             "build it again")
     cluster.send(("open", link.engine_id, copy.deepcopy(config), share.engine_id if share else None))
     try:
         yield link
