@@ -15,8 +15,12 @@ from flashtree.parallel.workers import EngineLink, digest
 
 class MirroredRunner:
     def __init__(self, runner, link: EngineLink) -> None:
-        self.runner = runner
-        self.link = link
+        object.__setattr__(self, "runner", runner)
+        object.__setattr__(self, "link", link)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"cannot set runner.{name} under tensor parallelism: the workers would not see it; "
+                             "change the runner through a method call, which they mirror")
 
     def __getattr__(self, name: str):
         value = getattr(self.runner, name)

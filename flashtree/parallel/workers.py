@@ -342,6 +342,9 @@ def worker_main(rank: int, world: int, port: int, pipe, device: torch.device, th
                 pipe.send(("digest", digest(result, runner)))
         elif kind == "run":
             fn, args, kwargs = rest
-            fn(engines[eid], *args, **kwargs)
+            try:
+                fn(engines[eid], *args, **kwargs)
+            except FlashtreeError:  # as for "call"
+                continue
     engines.clear()
     dist.destroy_process_group()
