@@ -110,11 +110,10 @@ def demo_checks(deadline: Deadline, report: dict) -> None:
 # ---- 3: Qwen3-8B-shaped random weights -------------------------------------------------------------
 
 
-def write_qwen3_8b(out: Path, shards: int = 4) -> float:
-    """A random bf16 checkpoint in the hub's layout (config.json + sharded safetensors)."""
+def write_qwen3(out: Path, c: dict, shards: int = 4) -> float:
+    """A random bf16 Qwen3 checkpoint of shape `c` in the hub's layout (config.json + shards)."""
     from safetensors.torch import save_file
 
-    c = QWEN3_8B
     h, i, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     g = torch.Generator(device=DEVICE).manual_seed(0)
@@ -131,7 +130,9 @@ def write_qwen3_8b(out: Path, shards: int = 4) -> float:
                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                   p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
                   p + "post_attention_layernorm.weight": (h,)}
-    names |= {"model.norm.weight": (h,), "lm_head.weight": (c["vocab_size"], h)}
+    names["model.norm.weight"] = (h,)
+    if not c.get("tie_word_embeddings"):
+        names["lm_head.weight"] = (c["vocab_size"], h)
     keys = list(names)
     per = -(-len(keys) // shards)
     weight_map, t0 = {}, time.perf_counter()
@@ -149,16 +150,16 @@ def write_qwen3_8b(out: Path, shards: int = 4) -> float:
     return time.perf_counter() - t0
 
 
-def write_drafter(out: Path) -> None:
+def write_drafter(out: Path, c: dict, layers: int) -> None:
+    """A random DFlash drafter of z-lab's shape for target shape `c` (block 16, `layers` layers)."""
     from flashtree.models.dflash import DFlashArgs, DFlashDrafter, default_target_layer_ids, save_drafter
 
-    c = QWEN3_8B
     args = DFlashArgs(hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-                      num_layers=DRAFTER_LAYERS, num_heads=c["num_attention_heads"],
+                      num_layers=layers, num_heads=c["num_attention_heads"],
                       num_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"], rms_norm_eps=1e-6,
-                      block_size=16, target_layer_ids=default_target_layer_ids(c["num_hidden_layers"], DRAFTER_LAYERS),
+                      block_size=16, target_layer_ids=default_target_layer_ids(c["num_hidden_layers"], layers),
                       mask_token_id=MASK_TOKEN, num_target_layers=c["num_hidden_layers"], vocab_size=c["vocab_size"],
-                      layer_types=["full_attention"] * DRAFTER_LAYERS)
+                      layer_types=["full_attention"] * layers)
     with torch.device(DEVICE):
         drafter = DFlashDrafter(args).to(torch.bfloat16)
     with torch.no_grad():
@@ -168,35 +169,32 @@ def write_drafter(out: Path) -> None:
     del drafter
 
 
-def qwen3_8b_checks(deadline: Deadline, report: dict, workdir: Path) -> None:
-    target, drafter = workdir / "qwen3-8b-random", workdir / "qwen3-8b-dflash-random"
-    report["qwen3_8b"] = section = {"write_seconds": write_qwen3_8b(target)}
-    write_drafter(drafter)
-    sync()
+def round_rows(target: Path, drafter: Path, plan: list[tuple], deadline: Deadline, dtype: str,
+               prompt_len: int = 256, max_tokens: int = 32, compile_margin: float = 90.0) -> list[dict]:
+    """Per-round stage times for each (compiled, batch, method, budget) of `plan`, sharing weights."""
     t0 = time.perf_counter()
     base = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), method="ar", device=DEVICE,
-                                  dtype="bfloat16", max_batch=8, max_model_len=2048, stage_timing=True))
+                                  dtype=dtype, max_batch=max(b for _, b, _, _ in plan), max_model_len=2048,
+                                  stage_timing=True))
     sync()
-    section["tp1_load_seconds"] = time.perf_counter() - t0
-    section["checkpoint_gb"] = sum(f.stat().st_size for f in target.glob("*.safetensors")) / 1e9
-    prompts = [[1000 + (13 * i + j) % 150000 for j in range(256)] for i in range(8)]
+    load = time.perf_counter() - t0
+    vocab = base.target.vocab_size
+    prompts = [[1000 + (13 * i + j) % (vocab - 1000) for j in range(prompt_len)] for i in range(8)]
     rows = []
-    plan = [(c, b, m, budget) for c in (False, True) for b in (1, 8)
-            for m, budget in (("ar", 1), ("ddtree", 16), ("ddtree", 64), ("ddtree", 256))]
     for compile_, batch, method, budget in plan:
-        label = {"compiled": compile_, "batch": batch, "method": method, "budget": budget}
-        if deadline.left < (90 if compile_ else 30):
+        label = {"compiled": compile_, "batch": batch, "method": method, "budget": budget, "dtype": dtype}
+        if deadline.left < (compile_margin if compile_ else 30):
             rows.append({**label, "skipped": "time"})
             continue
         try:
             t0 = time.perf_counter()
             eng = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), method=method, budget=budget,
-                                         device=DEVICE, dtype="bfloat16", max_batch=batch, max_model_len=2048,
+                                         device=DEVICE, dtype=dtype, max_batch=batch, max_model_len=2048,
                                          stage_timing=True, **({"compile": True} if compile_ else {})),
-                             share_weights=base)
+                            share_weights=base)
             run_engine(eng, prompts[:batch], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up / capture
             warm = time.perf_counter() - t0
-            out, wall = run_engine(eng, prompts[:batch], SamplingParams(max_tokens=32, ignore_eos=True))
+            out, wall = run_engine(eng, prompts[:batch], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             stats = out[0].stats
             rounds = max(1, stats.rounds)
             stages = {k: 1000 * v / rounds for k, v in stats.stage_seconds.items() if k != "prefill"}
@@ -205,9 +203,37 @@ def qwen3_8b_checks(deadline: Deadline, report: dict, workdir: Path) -> None:
             rows.append({**label, "round_ms": round_ms, "stage_ms": stages,
                          "overhead_share": overhead / round_ms if round_ms else None,
                          "tok_s": sum(len(r.output_ids) for r in out) / wall, "startup_and_capture_s": warm})
-        except Exception as e:
+        except Exception as e:  # a failure is a result here: record it and go on
             rows.append({**label, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=3)})
+    rows.insert(0, {"load_seconds": load})
+    return rows
+
+
+def qwen3_8b_checks(deadline: Deadline, report: dict, workdir: Path) -> None:
+    target, drafter = workdir / "qwen3-8b-random", workdir / "qwen3-8b-dflash-random"
+    report["qwen3_8b"] = section = {"write_seconds": write_qwen3(target, QWEN3_8B)}
+    write_drafter(drafter, QWEN3_8B, DRAFTER_LAYERS)
+    section["checkpoint_gb"] = sum(f.stat().st_size for f in target.glob("*.safetensors")) / 1e9
+    plan = [(c, b, m, budget) for c in (False, True) for b in (1, 8)
+            for m, budget in (("ar", 1), ("ddtree", 16), ("ddtree", 64), ("ddtree", 256))]
+    rows = round_rows(target, drafter, plan, deadline, "bfloat16")
+    section["tp1_load_seconds"] = rows.pop(0)["load_seconds"]
     section["rounds"] = rows
+
+
+def stage_table(rows: list[dict]) -> list[str]:
+    lines = ["| compiled | batch | method | budget | round ms | draft | tree | verify | commit | overhead | tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = f"| {'yes' if r['compiled'] else 'no'} | {r['batch']} | {r['method']} | {r['budget']} |"
+        if "round_ms" not in r:
+            lines.append(f"{head} {r.get('skipped') or r.get('error')} | | | | | | |")
+            continue
+        s = r["stage_ms"]
+        lines.append(f"{head} {r['round_ms']:.2f} | {s.get('draft', 0):.2f} | {s.get('tree', 0):.2f} | "
+                     f"{s.get('verify', 0):.2f} | {s.get('commit', 0):.2f} | {100 * r['overhead_share']:.1f}% | "
+                     f"{r['tok_s']:.1f} |")
+    return lines
 
 
 # ---- the report ---------------------------------------------------------------------------------------
@@ -227,18 +253,7 @@ def markdown(report: dict) -> str:
     q = report.get("qwen3_8b")
     if q:
         lines += ["", f"## Qwen3-8B-shaped random bf16 ({q.get('checkpoint_gb', 0):.1f} GB; TP=1 load "
-                  f"{q.get('tp1_load_seconds', float('nan')):.1f} s)", "",
-                  "| compiled | batch | method | budget | round ms | draft | tree | verify | commit | overhead | tok/s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in q.get("rounds", []):
-            head = f"| {'yes' if r['compiled'] else 'no'} | {r['batch']} | {r['method']} | {r['budget']} |"
-            if "round_ms" not in r:
-                lines.append(f"{head} {r.get('skipped') or r.get('error')} | | | | | | |")
-                continue
-            s = r["stage_ms"]
-            lines.append(f"{head} {r['round_ms']:.2f} | {s.get('draft', 0):.2f} | {s.get('tree', 0):.2f} | "
-                         f"{s.get('verify', 0):.2f} | {s.get('commit', 0):.2f} | {100 * r['overhead_share']:.1f}% | "
-                         f"{r['tok_s']:.0f} |")
+                  f"{q.get('tp1_load_seconds', float('nan')):.1f} s)", ""] + stage_table(q.get("rounds", []))
     return "\n".join(lines) + "\n"
 
 
