@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from flashtree.models.dflash import load_drafter
 from flashtree.models.loader import eos_token_ids, load_target, parse_dtype
 from flashtree.sampler import fresh_seed
 from flashtree.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from flashtree.parallel import EngineLink
 
 
 @dataclass
@@ -64,7 +68,8 @@ def load_tokenizer(path):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, share_weights: "LLMEngine | None" = None, tp=None) -> None:
+    def __init__(self, config: EngineConfig, share_weights: "LLMEngine | None" = None,
+                 tp: "EngineLink | None" = None) -> None:
         """`share_weights`: an engine over the same checkpoints whose loaded modules to reuse, so
         several configurations (methods, budgets, limits) can run side by side without reloading;
         each engine still owns its KV caches. The bench drives its grid this way.
@@ -81,15 +86,17 @@ class LLMEngine:
         else:
             self._build(config, share_weights, tp)
 
-    def _build(self, config: EngineConfig, share_weights: "LLMEngine | None", tp) -> None:
+    def _build(self, config: EngineConfig, share_weights: "LLMEngine | None", tp: "EngineLink | None") -> None:
         self.config = config
         self.tp = tp
-        device = tp.device if tp is not None else torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = tp.device if tp is not None else device  # a rank's own GPU (or the CPU)
         dtype = parse_dtype(config.dtype, device)
         self.device = device
         other = share_weights
-        if other is not None and (other.config.target, other.device, other.dtype, other.config.tensor_parallel_size) != (
-                config.target, device, dtype, config.tensor_parallel_size):
+        same = (config.target, device, dtype, config.tensor_parallel_size)
+        if other is not None and (other.config.target, other.device, other.dtype,
+                                  other.config.tensor_parallel_size) != same:
             raise FlashtreeError("share_weights needs an engine with the same target, device, dtype and "
                                  "tensor_parallel_size")
         self.dtype = dtype
@@ -108,7 +115,7 @@ class LLMEngine:
         self.eos_ids = self._eos_ids()
         self.scheduler = Scheduler(config.max_batch, config.max_queue)
         self.runner = ModelRunner(config, self.target, self.drafter, device)
-        if tp is not None:  # rank 0: a runner the workers mirror (and everyone shares its measurements)
+        if tp is not None:  # all ranks take rank 0's start-up timings; rank 0's runner the workers then mirror
             self.runner = tp.attach(self.runner)
         self.last_round: RoundInfo | None = None
 

@@ -82,7 +82,8 @@ def digest(result, runner) -> str:
             return {k: strip(v) for k, v in x.items()}
         return x
 
-    lengths = [getattr(c, "lengths", None) for c in (getattr(runner, "cache", None), getattr(runner, "draft_cache", None))]
+    caches = (getattr(runner, "cache", None), getattr(runner, "draft_cache", None))
+    lengths = [getattr(c, "lengths", None) for c in caches]
     return hashlib.sha256(pickle.dumps((strip(result), lengths))).hexdigest()
 
 
