@@ -184,3 +184,25 @@ def test_group_samples_copy_the_whole_prompt_state(pairs, tmp_path, kind):
         eng.step()
     for s in group.samples:
         assert s.output_ids == single.output_ids and s.stats.accept_lengths == single.stats.accept_lengths
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_reuse_their_own_prefixes(pairs, monkeypatch):
+    """With tensor_parallel_size=2 every rank copies its own K/V slices and keeps its own saved
+    recurrent states (the runner holds them by key), so a hybrid target's reuse and n > 1 copies
+    give the single-rank tokens (FLASHTREE_TP_CHECK: the ranks agree after every call)."""
+    monkeypatch.setenv("FLASHTREE_TP_CHECK", "1")
+    import flashtree.parallel.workers as workers
+
+    if workers._cluster is not None and not workers._cluster.check_results:
+        workers._cluster.close()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    out = {}
+    for tp in (1, 2):
+        eng = engine(pairs["hybrid"], True, tensor_parallel_size=tp)
+        reqs = run_one_by_one(eng, PROMPTS[:3], params)
+        group = eng.add_group(PROMPTS[1], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True))
+        while not group.finished:
+            eng.step()
+        out[tp] = ([r.output_ids for r in reqs + group.samples], [r.stats.cached_tokens for r in reqs])
+    assert out[2] == out[1] and out[2][1] == [0, 0, 48]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +23,9 @@ from flashtree.models.dflash import load_drafter
 from flashtree.models.loader import eos_token_ids, load_target, parse_dtype
 from flashtree.sampler import fresh_seed
 from flashtree.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from flashtree.parallel import EngineLink
 
 
 @dataclass
@@ -68,19 +73,40 @@ def load_tokenizer(path):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, share_weights: "LLMEngine | None" = None) -> None:
+    def __init__(self, config: EngineConfig, share_weights: "LLMEngine | None" = None,
+                 tp: "EngineLink | None" = None) -> None:
         """`share_weights`: an engine over the same checkpoints whose loaded modules to reuse, so
         several configurations (methods, budgets, limits) can run side by side without reloading;
-        each engine still owns its KV caches. The bench drives its grid this way."""
+        each engine still owns its KV caches. The bench drives its grid this way.
+
+        With config.tensor_parallel_size N > 1 this process is rank 0: the N - 1 worker
+        processes (started on first use, flashtree.parallel.workers) build the same engine on
+        their slices of the target while this one builds its own, and then follow its runner.
+        `tp` is how a worker's engine learns its rank (an EngineLink); callers leave it None."""
+        if tp is None and config.tensor_parallel_size > 1:
+            from flashtree.parallel import open_engine
+
+            with open_engine(self, config, share_weights) as tp:
+                self._build(config, share_weights, tp)
+        else:
+            self._build(config, share_weights, tp)
+
+    def _build(self, config: EngineConfig, share_weights: "LLMEngine | None", tp: "EngineLink | None") -> None:
         self.config = config
+        self.tp = tp
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = tp.device if tp is not None else device  # a rank's own GPU (or the CPU)
         dtype = parse_dtype(config.dtype, device)
         self.device = device
         other = share_weights
-        if other is not None and (other.config.target, other.device, other.dtype) != (config.target, device, dtype):
-            raise FlashtreeError("share_weights needs an engine with the same target, device and dtype")
+        same = (config.target, device, dtype, config.tensor_parallel_size)
+        if other is not None and (other.config.target, other.device, other.dtype,
+                                  other.config.tensor_parallel_size) != same:
+            raise FlashtreeError("share_weights needs an engine with the same target, device, dtype and "
+                                 "tensor_parallel_size")
         self.dtype = dtype
-        self.target = other.target if other is not None else load_target(config.target, dtype, device)
+        self.target = other.target if other is not None else load_target(config.target, dtype, device,
+                                                                          tp=tp.group if tp is not None else None)
         self.drafter = None
         if config.method != "ar":
             if other is not None and other.drafter is not None and other.config.drafter == config.drafter:
@@ -95,8 +121,11 @@ class LLMEngine:
         self.scheduler = Scheduler(config.max_batch, config.max_queue)
         self.output = OutputProcessor(self.tokenizer, self.eos_ids, config.max_model_len)
         self.runner = ModelRunner(config, self.target, self.drafter, device)
+        if tp is not None:  # all ranks take rank 0's start-up timings; rank 0's runner the workers then mirror
+            self.runner = tp.attach(self.runner)
         self.prefix = self._prefix_cache()
         self._token_text: TokenText | None = None
+        self._state_keys = itertools.count()  # names of recurrent states the runner keeps for the prefix cache
         self.last_round: RoundInfo | None = None
 
     def _prefix_cache(self) -> PrefixCache | None:
@@ -112,6 +141,16 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
+
+    def on_every_rank(self, fn, *args, rank0_kwargs: dict | None = None, **kwargs):
+        """fn(engine, *args, **kwargs) on this engine and, under tensor parallelism, on every
+        worker's copy of it at the same time: for work on the loaded models outside the round
+        loop, whose sharded forwards need every rank (the bench's cost curve). fn must be a
+        module-level function and the arguments picklable; `rank0_kwargs` (a progress callback)
+        go to this process's call alone. Returns this process's result."""
+        if self.tp is not None and self.tp.cluster is not None:
+            self.tp.run(fn, args, kwargs)
+        return fn(self, *args, **kwargs, **(rank0_kwargs or {}))
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -281,33 +320,33 @@ class LLMEngine:
                 end = req.save_state_at
             budget -= end - start
             t0 = time.perf_counter()
-            logits = self.runner.prefill(req, end)
+            self.runner.prefill(req, end)
             req.num_computed = end
             if self.prefix is not None:
                 self.prefix.extend(req.slot, end)
                 if end == req.save_state_at:
-                    self.prefix.save_state(req.prompt_ids[:end], self.runner.save_state(req.slot))
+                    key = next(self._state_keys)
+                    self.runner.save_state(req.slot, key)
+                    for old in self.prefix.save_state(req.prompt_ids[:end], key):
+                        self.runner.drop_state(old)
             req.stats.stage_seconds["prefill"] += time.perf_counter() - t0
             if req.prefilled:
-                outputs.extend(self._start(req, logits))
+                outputs.extend(self._start(req))
 
-    def _start(self, first: Request, logits) -> list[StepOutput]:
-        """The prompt is in: copy it to the group's other samples, then every sample draws its
-        first token from the prompt's last logits."""
+    def _start(self, first: Request) -> list[StepOutput]:
+        """The prompt is in: the group's other samples get copies of it, then every sample draws
+        its first token from the prompt's last logits."""
         t0 = time.perf_counter()
         samples = [s for s in (first.group.samples if first.group is not None else [first]) if not s.finished]
-        n = len(first.prompt_ids)
-        for s in samples[1:]:
-            self.runner.seat(s.slot, first.slot, n, None)
-            s.num_computed = n
-            if self.prefix is not None:
-                self.prefix.assign(s.slot, s.prompt_ids, n)
-        tokens, logprobs = self.runner.first_tokens(samples, logits)
+        tokens, logprobs = self.runner.start_samples(samples)
         now = time.perf_counter()
         outputs = []
         for s, token, lp in zip(samples, tokens, logprobs):
             if s is not first:
+                s.num_computed = len(s.prompt_ids)
                 s.stats.stage_seconds["prefill"] += now - t0
+                if self.prefix is not None:
+                    self.prefix.assign(s.slot, s.prompt_ids, s.num_computed)
             s.stats.first_token = now
             outputs.append(self._emit(s, [token], lp))
         return outputs

@@ -36,7 +36,7 @@ MAX_STATES = 16  # recurrent states kept (each is every GDN layer's state and co
 class PrefixMatch:
     source: int  # slot holding the prefix's K/V (may be the request's own slot)
     length: int  # tokens reused
-    state: object | None  # the recurrent state after them (hybrid targets), else None
+    state: int | None  # hybrid targets: the key of the recurrent state after them (the runner keeps it)
     save_at: int | None  # hybrid: prefill should stop a chunk here and save the state
 
 
@@ -49,7 +49,7 @@ class PrefixCache:
         self.held = [0] * num_slots  # rows [0, held) of the slot hold K/V of tokens[:held]
         self.last_used = [0] * num_slots  # LRU clock per slot
         self.clock = 0
-        self.states: OrderedDict[tuple[int, ...], object] = OrderedDict()  # prefix tokens -> state
+        self.states: OrderedDict[tuple[int, ...], int] = OrderedDict()  # prefix tokens -> state key
 
     # ---- seating ------------------------------------------------------------------------------
 
@@ -104,8 +104,12 @@ class PrefixCache:
         self.clock += 1
         self.last_used[slot] = self.clock
 
-    def save_state(self, prefix: list[int], state: object) -> None:
-        self.states[tuple(prefix)] = state
+    def save_state(self, prefix: list[int], key: int) -> list[int]:
+        """Record that the recurrent state after `prefix` is kept under `key` (the runner keeps
+        it); returns the keys of states evicted to stay within MAX_STATES, for the runner to drop."""
+        self.states[tuple(prefix)] = key
         self.states.move_to_end(tuple(prefix))
+        evicted = []
         while len(self.states) > MAX_STATES:
-            self.states.popitem(last=False)
+            evicted.append(self.states.popitem(last=False)[1])
+        return evicted

@@ -94,6 +94,8 @@ class ModelRunner:
             self.auto_columns = torch.tensor(self.auto.candidates, device=device) - 1
         # budget="auto" sizes each round from the previous round's draft, read with that round's results.
         self.expected: dict[str, list[float]] = {}  # request id -> expected accepts at each auto candidate
+        self.prompt_logits: dict[int, Tensor] = {}  # slot -> its complete prompt's last logits, until start_samples
+        self.saved_states: dict[int, RecurrentState] = {}  # prefix reuse on a hybrid target: key -> state
 
     def round_budget(self, n: int) -> int:
         """Per-request tree budget for a batch of n: capped so all trees fit max_round_tokens."""
@@ -101,29 +103,34 @@ class ModelRunner:
 
     # ---- slots and prefill ----------------------------------------------------------------
 
-    def seat(self, slot: int, source: int | None, length: int, state: RecurrentState | None = None) -> None:
+    def seat(self, slot: int, source: int | None, length: int, state_key: int | None = None) -> None:
         """Start a slot empty (source None), or holding source's first `length` committed rows in
-        the target and drafter caches (a shared prefix; a hybrid target also takes `state`, the
-        recurrent state saved after them, unless source holds exactly `length` tokens)."""
+        the target and drafter caches (a shared prefix; a hybrid target also takes the recurrent
+        state saved after them under `state_key`, unless source holds exactly `length` tokens)."""
         if source is None:
             self.cache.set_length(slot, 0)
             if self.drafter is not None:
                 self.draft_cache.set_length(slot, 0)
             return
+        state = self.saved_states[state_key] if state_key is not None else None
         self.cache.copy_prefix(source, slot, length, state)
         if self.drafter is not None:
             self.draft_cache.copy_prefix(source, slot, length)
 
-    def save_state(self, slot: int) -> RecurrentState:
-        """A hybrid target's recurrent state at the slot's committed length (for prefix reuse)."""
-        return self.cache.save_state(slot)
+    def save_state(self, slot: int, key: int) -> None:
+        """Keep a hybrid target's recurrent state at the slot's committed length under `key` (for
+        prefix reuse). It stays here, on each rank's own device, until drop_state(key)."""
+        self.saved_states[key] = self.cache.save_state(slot)
+
+    def drop_state(self, key: int) -> None:
+        self.saved_states.pop(key, None)
 
     @torch.inference_mode()
-    def prefill(self, req: Request, end: int) -> Tensor | None:
+    def prefill(self, req: Request, end: int) -> None:
         """Append prompt tokens [num_computed, end) to the slot, target and drafter caches (a
         chunk: it attends to what the slot holds, and a hybrid target's recurrence continues
-        from there). Returns the last position's logits [1, 1, V] once the prompt is complete.
-        A request that asked for prompt logprobs gets those of the chunk's next tokens."""
+        from there). Once the prompt is complete, its last logits wait for start_samples. A
+        request that asked for prompt logprobs gets those of the chunk's next tokens."""
         start = req.num_computed
         n = end - start
         ids = torch.tensor([req.prompt_ids[start:end]], device=self.device)
@@ -138,7 +145,8 @@ class ModelRunner:
             self.draft_cache.commit(dctx, [n])
         if scored:
             self.score_prompt(req, out.logits, start, end)
-        return out.logits[:, -1:] if end == len(req.prompt_ids) else None
+        if end == len(req.prompt_ids):
+            self.prompt_logits[req.slot] = out.logits[:, -1:]
 
     def score_prompt(self, req: Request, logits: Tensor, start: int, end: int) -> None:
         """Prompt logprobs: logits [1, n, V] at positions start.. score prompt tokens start+1..
@@ -154,14 +162,18 @@ class ModelRunner:
         req.prompt_logprobs.extend(unpack(packed.flatten().tolist(), tokens, k, k))
 
     @torch.inference_mode()
-    def first_tokens(self, reqs: list[Request], logits: Tensor) -> tuple[list[int], list[list[TokenLogprob] | None]]:
-        """Each sample's first token from its prompt's last logits [1, 1, V] (one read), and its
-        logprob entry for those that keep logprobs."""
-        x = logits.expand(len(reqs), -1, -1)
+    def start_samples(self, reqs: list[Request]) -> tuple[list[int], list[list[TokenLogprob] | None]]:
+        """reqs[0] has just prefilled its prompt: copy it into the other samples' slots (a group's,
+        seated with it), then each draws its first token from the prompt's last logits (one
+        read). Returns the tokens, and the logprob entry of those samples that keep logprobs."""
+        first = reqs[0]
+        n = len(first.prompt_ids)
+        for r in reqs[1:]:
+            self.seat(r.slot, first.slot, n)
+        x = self.prompt_logits.pop(first.slot).expand(len(reqs), -1, -1)
         sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device,
                                        self.sampling_inputs)
-        position = torch.full((len(reqs), 1), len(reqs[0].prompt_ids), device=self.device)
-        picks = pick(x, sampling, position)
+        picks = pick(x, sampling, torch.full((len(reqs), 1), n, device=self.device))
         k = max((r.params.logprobs or 0 for r in reqs if r.logprobs is not None), default=None)
         if k is None:
             return picks[:, 0].tolist(), [None] * len(reqs)

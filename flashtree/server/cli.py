@@ -39,7 +39,8 @@ def startup_line(engine, name: str, url: str) -> str:
     budget = c.budget if c.method == "ddtree" else "-"
     return (f"flashtree serve: model={name} ({c.target}) drafter={c.drafter or '-'} method={c.method} "
             f"budget={budget} device={engine.device} dtype={str(engine.dtype).removeprefix('torch.')} "
-            f"threads={torch.get_num_threads()} max_batch={c.max_batch} max_model_len={c.max_model_len} url={url}")
+            f"threads={torch.get_num_threads()} max_batch={c.max_batch} max_model_len={c.max_model_len} "
+            + (f"tensor_parallel_size={c.tensor_parallel_size} " if c.tensor_parallel_size > 1 else "") + f"url={url}")
 
 
 def serve(args: argparse.Namespace) -> None:
