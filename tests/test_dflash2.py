@@ -245,3 +245,16 @@ def test_bad_dflash2_configs_error(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(FlashtreeError, match="conv_group_size 5 must divide"):
         load_drafter(d, target, torch.float32, CPU)
+
+
+def test_top_candidates_settle_ties_by_token_id():
+    """Candidates are the top-K by (logit desc, token id asc) even when ties straddle the K-th place."""
+    from flashtree.models.dflash2 import top_candidates
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (20, 30), generator=g).float()
+    for k in (1, 3, 7, 30):
+        vals, ids = top_candidates(x, k)
+        for r in range(20):
+            want = sorted(range(30), key=lambda v: (-x[r, v].item(), v))[:k]
+            assert ids[r].tolist() == want and vals[r].tolist() == x[r, want].tolist()

@@ -216,12 +216,20 @@ def unary_logits(z: Tensor, args: DFlash2Args) -> Tensor:
     return torch.tanh(z / cap) * cap if cap else z
 
 
-def top_candidates(lp: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The top-k of lp [..., V] ordered by (value desc, index asc): values and indices."""
-    vals, ids = lp.topk(k, dim=-1)
-    ids, order = ids.sort(dim=-1)
-    vals, order2 = vals.gather(-1, order).sort(dim=-1, descending=True, stable=True)
-    return vals, ids.gather(-1, order2)
+def top_candidates(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The top-k of x [..., V] by (value desc, index asc), exactly: values and indices.
+
+    torch.topk picks any of several equal values at the k-th place, so the k-th value's ties are
+    settled by index (a cumsum), then a second topk on distinct int32 keys gathers the k winners.
+    """
+    v = x.shape[-1]
+    kth = x.topk(k, dim=-1).values[..., -1:]
+    above, tied = x > kth, x == kth
+    take = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+    key = take.to(torch.int32) * (v - torch.arange(v, device=x.device, dtype=torch.int32))
+    ids = key.topk(k, dim=-1).indices
+    vals, order = x.gather(-1, ids).sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(-1, order)
 
 
 # ---------------------------------------------------------------------------- checkpoints

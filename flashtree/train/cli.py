@@ -10,6 +10,16 @@ def _ids(text: str | None) -> list[int] | None:
     return [int(x) for x in text.split(",")] if text else None
 
 
+def _temperatures(text: str) -> list[float]:
+    try:
+        temps = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--temperature takes numbers separated by commas, got {text!r}") from None
+    if any(t < 0 for t in temps) or len(set(temps)) != len(temps):
+        raise argparse.ArgumentTypeError(f"--temperature values must be distinct and >= 0, got {text!r}")
+    return temps
+
+
 def _regenerate(a: argparse.Namespace) -> None:
     from flashtree.train.responses import RegenerateConfig, regenerate
 
@@ -41,7 +51,8 @@ def _train(a: argparse.Namespace) -> None:
                       grad_clip=a.grad_clip, seed=a.seed, backend=a.backend, init_from_target=a.init_from_target,
                       max_len=a.max_len, device=a.device, dtype=a.dtype, save_dtype=a.save_dtype,
                       threads=a.threads, log_every=a.log_every, save_every=a.save_every, resume=not a.no_resume,
-                      plot=a.plot)
+                      plot=a.plot, selector=a.selector, selector_rank=a.selector_rank, selector_top_k=a.selector_top_k,
+                      conv_kernel_size=a.conv_kernel_size, conv_group_size=a.conv_group_size)
     train(cfg)
 
 
@@ -88,7 +99,9 @@ def register(subparsers) -> None:
     _model_args(p, drafter=True)
     p.add_argument("--method", default="ddtree", help="ddtree (needs --drafter), dflash or ar")
     p.add_argument("--budget", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=_temperatures, default=[0.0],
+                   help="sampling temperature, or a comma-separated mix (e.g. 0,0.7,1): one response per "
+                        "prompt and temperature, ids suffixed @tT")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--chat-template", action="store_true", help="wrap prompts in the target's chat template")
@@ -142,6 +155,12 @@ def register(subparsers) -> None:
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--plot", help="loss-curve PNG (default OUT/loss.png)")
+    p.add_argument("--selector", action="store_true",
+                   help="train a DFlash2 drafter: block convolutions + a candidate selector (Markov drafts)")
+    p.add_argument("--selector-rank", type=int, default=32)
+    p.add_argument("--selector-top-k", type=int, default=16, help="candidates per depth the selector rescores")
+    p.add_argument("--conv-kernel-size", type=int, default=4)
+    p.add_argument("--conv-group-size", type=int, help="channels sharing a predicted tap (default min(32, hidden))")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("eval", help="tau of a drafter for dflash and ddtree at several budgets")
