@@ -35,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tree nodes per round for ddtree, or 'auto' to pick each round's size from measured cost (default 64)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", help="float32, bfloat16, float16, float64 (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--no-selector", action="store_true",
+                   help="with a DFlash2 drafter, build the tree from its marginals, not its candidate selector")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -47,7 +49,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(target=args.target, drafter=args.drafter, method=args.method, budget=args.budget,
-                device=args.device, dtype=args.dtype)
+                device=args.device, dtype=args.dtype, use_selector=False if args.no_selector else None)
 
 
 def generate(args: argparse.Namespace) -> None:

@@ -27,6 +27,7 @@ class EngineConfig:
     max_round_tokens: int = 4096  # cap on all trees' nodes in one batched verify
     max_queue: int = 256  # waiting requests before add_request refuses
     stage_timing: bool | None = None  # sync between stages to time them; None = on for cpu only
+    use_selector: bool | None = None  # DFlash2 drafters: None = use the selector; False = marginal trees (build_tree)
 
     @property
     def tree_budget(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from flashtree import LLM, SamplingParams
 from flashtree.errors import FlashtreeError
 from flashtree.models.dflash import DFlashArgs, DFlashDrafter, save_drafter as save_dflash1
 from flashtree.models.dflash2 import DFlash2Args, DFlash2Drafter, load_drafter, save_drafter
@@ -258,3 +260,66 @@ def test_top_candidates_settle_ties_by_token_id():
         for r in range(20):
             want = sorted(range(30), key=lambda v: (-x[r, v].item(), v))[:k]
             assert ids[r].tolist() == want and vals[r].tolist() == x[r, want].tolist()
+
+
+# ----------------------------------------------------------------------------- through the engine
+
+
+@pytest.fixture(scope="module")
+def lossless_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dflash2_lossless")
+    target = make_target(root / "target", vocab=16, logit_scale=3.0)
+    drafter = make_dflash2_drafter(root / "drafter", target_layers=4, vocab=16, block_size=8, top_k=6, seed=5)
+    return target, drafter
+
+
+@pytest.mark.parametrize("method,budget,selector", [("dflash", 1, None), ("dflash", 1, False), ("ddtree", 1, None),
+                                                    ("ddtree", 4, None), ("ddtree", 16, None), ("ddtree", 64, None),
+                                                    ("ddtree", 16, False)])
+def test_greedy_dflash2_matches_ar(lossless_pair, method, budget, selector):
+    """Greedy DFlash (the Markov chain) and DDTree (the Markov tree) with a random DFlash2 drafter,
+    batched with one request queued, emit exactly AR's tokens; so does the marginal tree."""
+    from test_lossless import PROMPTS, generate
+
+    target, drafter = lossless_pair
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = [generate(target, None, "ar", 1, [p], params, max_batch=1)[0].token_ids for p in PROMPTS]
+    llm = LLM(str(target), str(drafter), method=method, budget=budget, device="cpu", dtype="float32", max_batch=3,
+              max_model_len=256, use_selector=selector)
+    assert llm.engine.runner.use_selector == (selector is None)
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == ref
+
+
+def test_selector_flag_checks_the_drafter(tmp_path, lossless_pair):
+    """use_selector=True with a DFlash-1 drafter is a clear error; --no-selector reaches the engine."""
+    from flashtree.cli import build_parser, engine_kwargs
+    from tiny import make_drafter
+
+    target, _ = lossless_pair
+    d1 = make_drafter(tmp_path / "d1", target_layers=4, vocab=16)
+    with pytest.raises(FlashtreeError, match="needs a DFlash2 drafter"):
+        LLM(str(target), str(d1), device="cpu", use_selector=True)
+    args = build_parser().parse_args(["generate", "x", "--no-selector"])
+    assert engine_kwargs(args)["use_selector"] is False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,budget", [("ddtree", 8), ("dflash", 1)])
+def test_dflash2_sampling_matches_target_distribution(tmp_path, method, budget):
+    """Sampled DDTree / DFlash output under a DFlash2 draft (candidates: 3 of 4 tokens, so some
+    targets' picks fall outside every draft) follows the target's sequence distribution."""
+    from test_sampling import PROMPT, SAMPLES, VOCAB, chi_square_p, exact_distribution
+
+    target = make_target(tmp_path / "t", vocab=VOCAB, hidden=32, logit_scale=2.0, seed=3)
+    drafter = make_dflash2_drafter(tmp_path / "d", target_layers=4, vocab=VOCAB, block_size=4, top_k=3, seed=4)
+    kw = {"temperature": 1.0}
+    dist = exact_distribution(target, SamplingParams(**kw))
+    llm = LLM(str(target), str(drafter), method=method, budget=budget, device="cpu", dtype="float64",
+              max_batch=64, max_model_len=32)
+    assert llm.engine.runner.use_selector
+    params = [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **kw) for s in range(SAMPLES)]
+    counts = Counter(tuple(o.token_ids) for o in llm.generate([PROMPT] * SAMPLES, params))
+    assert chi_square_p(counts, dist) > 1e-3
+    wrong = exact_distribution(target, SamplingParams(temperature=1.0, top_k=2))
+    assert chi_square_p(counts, {k: v * 0.98 + 0.02 / len(wrong) for k, v in wrong.items()}) < 1e-6  # power

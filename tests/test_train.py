@@ -416,25 +416,31 @@ def test_selector_training_writes_a_dflash2_drafter(counting, tmp_path: Path) ->
 
 
 def test_regenerate_mixes_temperatures(counting, tmp_path: Path) -> None:
-    """--temperature 0,0.7,1 writes one response per prompt and temperature; the T = 0 ones are the
-    greedy ones, and a rerun resumes without duplicates."""
-    out = tmp_path / "mix.jsonl"
-    kw = dict(prompts=str(counting["prompts"]), out=str(out), target=str(counting["target"]), method="ar",
-              max_tokens=12, chunk=16, dtype="float32", limit=6, temperature=[0.0, 0.7, 1.0])
-    stats = regenerate(RegenerateConfig(**kw))
-    assert stats["responses"] == 18 and stats["written"] == 18
-    rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [r["id"] for r in rows[:3]] == ["p0@t0", "p0@t0.7", "p0@t1"]
-    assert [r["temperature"] for r in rows[:3]] == [0.0, 0.7, 1.0]
+    """--temperature 0,0.7,1 answers prompt n at the (n mod 3)-th temperature (one response per
+    prompt); --each-temperature answers each prompt at all three. T = 0 responses are the greedy
+    ones, and reruns resume without duplicates."""
     greedy = {json.loads(x)["id"]: json.loads(x)["response_ids"] for x in counting["responses"].read_text().splitlines()}
+    kw = dict(prompts=str(counting["prompts"]), target=str(counting["target"]), method="ar", max_tokens=12,
+              chunk=16, dtype="float32", limit=6, temperature=[0.0, 0.7, 1.0])
+    mix = tmp_path / "mix.jsonl"
+    assert regenerate(RegenerateConfig(out=str(mix), **kw))["written"] == 6
+    rows = [json.loads(x) for x in mix.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"p{i}" for i in range(6)]
+    assert [r["temperature"] for r in rows] == [0.0, 0.7, 1.0] * 2
+    each = tmp_path / "each.jsonl"
+    stats = regenerate(RegenerateConfig(out=str(each), each_temperature=True, **kw))
+    assert stats["responses"] == 18 and stats["written"] == 18
+    rows = [json.loads(x) for x in each.read_text().splitlines()]
+    assert [r["id"] for r in rows[:3]] == ["p0@t0", "p0@t0.7", "p0@t1"]
+    assert [r["temperature"] for r in rows] == [0.0, 0.7, 1.0] * 6
     for r in rows:
         if r["temperature"] == 0.0:
             assert r["response_ids"] == greedy[r["id"].split("@")[0]][:12]
-    assert regenerate(RegenerateConfig(**kw))["skipped"] == 18
+    assert regenerate(RegenerateConfig(out=str(each), each_temperature=True, **kw))["skipped"] == 18
     from flashtree.cli import build_parser
 
     a = build_parser().parse_args(["train", "regenerate", "p.jsonl", "--out", "o", "--temperature", "0,0.7,1"])
-    assert a.temperature == [0.0, 0.7, 1.0]
+    assert a.temperature == [0.0, 0.7, 1.0] and not a.each_temperature
 
 
 def test_online_mode_trains_from_sequences(counting, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from flashtree.engine.runner import ModelRunner
 from flashtree.engine.scheduler import Scheduler
 from flashtree.engine.sequence import STAGES, Request, Status
 from flashtree.errors import FlashtreeError
-from flashtree.models.dflash import load_drafter
+from flashtree.models.dflash2 import load_drafter  # DFlash-1 or DFlash2, by architectures
 from flashtree.models.loader import load_target, parse_dtype
 from flashtree.sampling import SamplingParams
 

@@ -19,11 +19,14 @@ from torch import Tensor
 from flashtree.cache import CacheView
 from flashtree.config import EngineConfig
 from flashtree.engine.sequence import Request
+from flashtree.errors import FlashtreeError
 from flashtree.models.dflash import DFlashDrafter
+from flashtree.models.dflash2 import DFlash2Drafter
 from flashtree.sampling import pick_tokens
 from flashtree.engine.budget import AutoBudget
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
 from flashtree.tree.budget import expected_accepts, truncate
+from flashtree.tree.markov import build_markov_chain, build_markov_tree
 
 
 class StageClock:
@@ -54,6 +57,7 @@ class ModelRunner:
         self.method = config.method
         self.block_size = drafter.block_size if drafter is not None else 1
         self.feature_layers = tuple(drafter.args.target_layer_ids) if drafter is not None else ()
+        self.use_selector = selector_on(drafter, config.use_selector)
         self.max_window = 1 + (config.tree_budget if self.method == "ddtree" else self.block_size - 1)
         cache_len = config.max_model_len + self.max_window
         self.cache = target.new_cache(config.max_batch, cache_len)
@@ -117,12 +121,17 @@ class ModelRunner:
         with self.clock.stage("draft"):
             block = torch.full((roots.shape[0], self.block_size), self.drafter.args.mask_token_id, device=self.device)
             block[:, 0] = roots
-            hidden = self.drafter(self.target.embed_tokens(block), view)
-            logits = self.target.lm_head(hidden[:, 1:])
+            hidden = self.drafter(self.target.embed_tokens(block), view)[:, 1:]
+            if isinstance(self.drafter, DFlash2Drafter):
+                logits = self.drafter.logits(hidden, self.target.lm_head)
+            else:
+                logits = self.target.lm_head(hidden)
+            markov = self.drafter.transitions(hidden, logits, roots) if self.use_selector else None
         with self.clock.stage("tree"):
             if self.method == "dflash":
-                return build_chain(roots, logits)
-            spec = build_tree(roots, logits, self.budgets(roots.shape[0]))
+                return build_markov_chain(roots, *markov) if markov else build_chain(roots, logits)
+            budget = self.budgets(roots.shape[0])
+            spec = build_markov_tree(roots, *markov, budget) if markov else build_tree(roots, logits, budget)
             if self.auto is not None:
                 # One extra host read per round: the window's size must be known to shrink it.
                 expected = expected_accepts(spec).tolist()
@@ -130,6 +139,15 @@ class ModelRunner:
                 spec = truncate(spec, budget)
                 self.predicted = sum(row[min(budget, len(row)) - 1] for row in expected if row)
             return spec
+
+
+def selector_on(drafter: DFlashDrafter | None, wanted: bool | None) -> bool:
+    """Draft with the candidate selector (a Markov draft) when the drafter has one, unless turned off."""
+    has = isinstance(drafter, DFlash2Drafter)
+    if wanted and not has:
+        raise FlashtreeError("use_selector=True needs a DFlash2 drafter (architectures DFlash2DraftModel); "
+                             "this drafter has no candidate selector")
+    return has and wanted is not False
 
 
 def gather_nodes(x: Tensor, path: Tensor) -> Tensor:

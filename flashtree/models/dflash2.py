@@ -57,7 +57,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from flashtree.cache import CacheView
 from flashtree.errors import FlashtreeError
 from flashtree.models.dflash import DFlashArgs, DFlashDrafter, DraftBlock, drafter_config
 
@@ -185,10 +184,11 @@ class DFlash2Drafter(DFlashDrafter):
         self.layers = nn.ModuleList(DFlash2Block(args, i) for i in range(args.num_layers))
         self.candidate_selector = CandidateSelector(args.hidden_size, args.vocab_size, args.selector_rank)
 
-    def forward(self, noise: Tensor, view: CacheView) -> Tensor:
-        """Hidden states [R, L, d] of the block embeddings `noise` (unscaled) after each slot's context."""
+    def forward(self, noise: Tensor, *context) -> Tensor:
+        """Hidden states [R, L, d] of the block embeddings `noise` (unscaled) after each slot's
+        context; `context` is what DFlashDrafter.forward takes besides the block."""
         scale = self.args.input_embedding_scale
-        return super().forward(noise * scale if scale != 1.0 else noise, view)
+        return super().forward(noise * scale if scale != 1.0 else noise, *context)
 
     def logits(self, hidden: Tensor, lm_head: nn.Module) -> Tensor:
         """Unary draft logits: the LM head, times output_multiplier, softcapped."""

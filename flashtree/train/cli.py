@@ -24,7 +24,8 @@ def _regenerate(a: argparse.Namespace) -> None:
     from flashtree.train.responses import RegenerateConfig, regenerate
 
     cfg = RegenerateConfig(prompts=a.prompts, out=a.out, target=a.target, drafter=a.drafter, method=a.method,
-                           budget=a.budget, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens,
+                           budget=a.budget, temperature=a.temperature, each_temperature=a.each_temperature,
+                           top_p=a.top_p, max_tokens=a.max_tokens,
                            chat_template=a.chat_template, chunk=a.chunk, max_batch=a.max_batch, limit=a.limit,
                            seed=a.seed, device=a.device, dtype=a.dtype)
     print(json.dumps(regenerate(cfg)))
@@ -100,8 +101,10 @@ def register(subparsers) -> None:
     p.add_argument("--method", default="ddtree", help="ddtree (needs --drafter), dflash or ar")
     p.add_argument("--budget", type=int, default=64)
     p.add_argument("--temperature", type=_temperatures, default=[0.0],
-                   help="sampling temperature, or a comma-separated mix (e.g. 0,0.7,1): one response per "
-                        "prompt and temperature, ids suffixed @tT")
+                   help="sampling temperature, or a comma-separated mix (e.g. 0,0.7,1): prompt n is "
+                        "answered at the (n mod k)-th")
+    p.add_argument("--each-temperature", action="store_true",
+                   help="with a mix: answer every prompt at every temperature (ids suffixed @tT)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--chat-template", action="store_true", help="wrap prompts in the target's chat template")

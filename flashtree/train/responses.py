@@ -4,8 +4,10 @@ The drafter should predict what the target writes, not what a dataset's author w
 training on the target's own outputs is what makes its drafts get accepted. Generation goes
 through the flashtree engine (its continuous batching, and DDTree once a drafter exists;
 `method="ar"` bootstraps the first drafter). Rows are appended chunk by chunk, so a rerun
-skips every id already written. Several temperatures (e.g. 0, 0.7 and 1) give one response per
-prompt and temperature, so a drafter also learns what the target writes when it samples.
+skips every id already written. Several temperatures (e.g. 0, 0.7 and 1) mix greedy and sampled
+responses, so a drafter also learns what the target writes when it samples: by default prompt n
+is answered at temperature n mod k (as many responses as prompts, the cost of one temperature);
+with `each_temperature`, every prompt at every temperature (ids "ID@tT").
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class RegenerateConfig:
     drafter: str | None = None
     method: str = "ddtree"  # "ar" when no drafter exists yet
     budget: int = 64
-    temperature: float | list[float] = 0.0  # a list: one response per prompt and temperature (ids "ID@tT")
+    temperature: float | list[float] = 0.0  # a list: a mix (prompt n at temperature[n % len])
+    each_temperature: bool = False  # a list: every prompt at every temperature instead (ids "ID@tT")
     top_p: float = 1.0
     max_tokens: int = 256
     chat_template: bool = False  # wrap prompts in the target tokenizer's chat template
@@ -89,9 +92,10 @@ def regenerate(cfg: RegenerateConfig, llm=None) -> dict:
     temps = list(cfg.temperature) if isinstance(cfg.temperature, (list, tuple)) else [cfg.temperature]
     if not temps or any(t < 0 for t in temps) or len(set(temps)) != len(temps):
         raise FlashtreeError(f"temperatures must be distinct and >= 0, got {temps}")
-    # One job per (prompt, temperature); with a single temperature, ids stay the prompts' own.
-    jobs = [(n, j, f"{i}@t{t:g}" if len(temps) > 1 else i, rec, t)
-            for n, (i, rec) in enumerate(records) for j, t in enumerate(temps)]
+    if cfg.each_temperature and len(temps) > 1:  # one job per (prompt, temperature)
+        jobs = [(n, j, f"{i}@t{t:g}", rec, t) for n, (i, rec) in enumerate(records) for j, t in enumerate(temps)]
+    else:  # one job per prompt, temperatures taken in turn; ids stay the prompts' own
+        jobs = [(n, 0, i, rec, temps[n % len(temps)]) for n, (i, rec) in enumerate(records)]
     todo = [job for job in jobs if job[2] not in done]
     stats = {"prompts": len(records), "responses": len(jobs), "skipped": len(jobs) - len(todo), "written": 0,
              "tokens": 0}
