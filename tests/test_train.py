@@ -364,6 +364,25 @@ def test_drafter_learns_counting_to_high_acceptance(counting, tmp_path: Path) ->
     assert res["ddtree@8"]["all"] >= res["dflash"]["all"] - 1e-9, res
 
 
+@pytest.mark.slow
+def test_selector_drafter_learns_counting_through_the_engine(counting, tmp_path: Path) -> None:
+    """A --selector drafter trained on the counting task drafts long accepted chains and trees in the
+    engine with its selector on (and its marginal tree stays lossless and useful with it off)."""
+    block = 4
+    out = tmp_path / "d2"
+    train(TrainConfig(out=str(out), data=str(counting["features"]), block_size=block, num_layers=1,
+                      intermediate_size=64, mask_token_id=MASK, steps=200, lr=3e-3, batch_size=4, log_every=50,
+                      save_every=1000, threads=1, selector=True, selector_rank=8, selector_top_k=4, conv_group_size=8))
+    held = write_prompts(tmp_path / "held.jsonl", 8, seed=1)
+    kw = dict(target=str(counting["target"]), drafter=str(out), prompts=[str(held)], methods=["dflash", "ddtree"],
+              budgets=[8], max_tokens=40, dtype="float32")
+    res = evaluate(EvalConfig(**kw), verbose=False)
+    assert res["dflash"]["all"] >= 0.8 * block, res
+    assert res["ddtree@8"]["all"] >= res["dflash"]["all"] - 1e-9, res
+    off = evaluate(EvalConfig(**kw, use_selector=False), verbose=False)
+    assert off["ddtree@8"]["all"] >= 0.8 * block, off
+
+
 def test_resumed_training_equals_uninterrupted(counting, tmp_path: Path) -> None:
     kw = dict(data=str(counting["features"]), block_size=4, num_layers=1, intermediate_size=64,
               mask_token_id=MASK, steps=6, batch_size=4, grad_accum=2, log_every=2, save_every=100, threads=1)
@@ -473,7 +492,23 @@ def test_cli_registers_train_subcommands() -> None:
     from flashtree.cli import build_parser
 
     parser = build_parser()
-    for cmd in ("regenerate", "extract", "train", "eval", "demo"):
+    for cmd in ("regenerate", "extract", "train", "eval", "branch", "demo"):
         with pytest.raises(SystemExit) as e:
             parser.parse_args(["train", cmd, "--help"])
         assert e.value.code == 0
+
+
+def test_branch_acceptance_replays_the_engine(counting, tmp_path: Path) -> None:
+    """The offline replay of greedy DDTree rounds gives the engine's tau, and its spine/sibling
+    counts add up to the accepted nodes."""
+    from flashtree.train.tau import BranchConfig, branch_acceptance
+
+    held = write_prompts(tmp_path / "held.jsonl", 4, seed=2)
+    drafter = make_drafter(tmp_path / "d", target_layers=2, vocab=VOCAB, hidden=32, layers=1, block_size=4,
+                           layer_ids=[0, 1], mask_token_id=MASK)
+    res = branch_acceptance(BranchConfig(target=str(counting["target"]), drafter=str(drafter), prompts=[str(held)],
+                                         budget=6, max_tokens=20))
+    eng = evaluate(EvalConfig(target=str(counting["target"]), drafter=str(drafter), prompts=[str(held)],
+                              methods=["ddtree"], budgets=[6], max_tokens=20, dtype="float32"), verbose=False)
+    assert res["tau"] == pytest.approx(eng["ddtree@6"]["all"])
+    assert res["spine"] + res["sibling"] == res["emitted"] - res["rounds"]

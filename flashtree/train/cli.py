@@ -1,4 +1,4 @@
-"""`flashtree train regenerate | extract | train | eval | demo`."""
+"""`flashtree train regenerate | extract | train | eval | branch | demo`."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def _eval(a: argparse.Namespace) -> None:
     cfg = EvalConfig(target=a.target, drafter=a.drafter, methods=a.methods.split(","),
                      budgets=_ids(a.budgets), max_tokens=a.max_tokens, temperature=a.temperature,
                      chat_template=a.chat_template, limit=a.limit, max_batch=a.max_batch, device=a.device,
-                     dtype=a.dtype, **kw)
+                     dtype=a.dtype, use_selector=False if a.no_selector else None, **kw)
     results = evaluate(cfg)
     print(table(results))
     if a.json:
@@ -72,13 +72,26 @@ def _eval(a: argparse.Namespace) -> None:
             json.dump(results, f, indent=2)
 
 
+def _branch(a: argparse.Namespace) -> None:
+    from flashtree.train.tau import BranchConfig, branch_acceptance
+
+    kw = {"prompts": a.prompts} if a.prompts else {}
+    cfg = BranchConfig(target=a.target, drafter=a.drafter, budget=a.budget, max_tokens=a.max_tokens, limit=a.limit,
+                       use_selector=False if a.no_selector else None, dtype=a.dtype or "float32", **kw)
+    print(json.dumps(branch_acceptance(cfg)))
+
+
 def _demo(a: argparse.Namespace) -> None:
     from flashtree.train.demo import DemoConfig, build_demo
 
+    kw = {"drafter_out": a.drafter_out} if a.drafter_out else {}
+    if a.plot:
+        kw["plot"] = a.plot
+    if a.regen_drafter:
+        kw |= {"regen_method": "ddtree", "regen_drafter": a.regen_drafter, "regen_budget": a.regen_budget}
     cfg = DemoConfig(work=a.work, build_target=not a.skip_target, target_minutes=a.target_minutes,
                      prompts=a.prompts, train_minutes=a.minutes, train_steps=None if a.minutes else a.steps,
-                     threads=a.threads,
-                     seed=a.seed)
+                     threads=a.threads, seed=a.seed, temperatures=a.temperature, selector=a.selector, **kw)
     build_demo(cfg)
 
 
@@ -176,8 +189,18 @@ def register(subparsers) -> None:
     p.add_argument("--chat-template", action="store_true")
     p.add_argument("--limit", type=int, help="prompts per file")
     p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--no-selector", action="store_true", help="DFlash2 drafters: measure the marginal tree")
     p.add_argument("--json", help="also write the results here")
     p.set_defaults(func=_eval)
+
+    p = sub.add_parser("branch", help="greedy ddtree's acceptance one level below an accepted top-1 child vs sibling")
+    _model_args(p, drafter=True)
+    p.add_argument("--prompts", action="append", help="prompt JSONL (repeatable; default: the bench suites)")
+    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, help="prompts per file")
+    p.add_argument("--no-selector", action="store_true", help="DFlash2 drafters: the marginal tree")
+    p.set_defaults(func=_branch)
 
     p = sub.add_parser("demo", help="rebuild the embedded demo target + drafter from the stdlib")
     p.add_argument("--work", default="runs/demo")
@@ -188,4 +211,11 @@ def register(subparsers) -> None:
     p.add_argument("--minutes", type=float, help="drafter time budget instead of --steps")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--selector", action="store_true", help="train a DFlash2 drafter (see train --selector)")
+    p.add_argument("--temperature", type=_temperatures, default=[0.0],
+                   help="regeneration temperature(s); a mix such as 0,0.7,1 takes them in turn over prompts")
+    p.add_argument("--regen-drafter", help="regenerate with ddtree and this drafter (default: ar)")
+    p.add_argument("--regen-budget", type=int, default=16)
+    p.add_argument("--drafter-out", help="where the drafter goes (default: the embedded demo drafter)")
+    p.add_argument("--plot", help="loss-curve PNG (default docs/figures/demo_drafter_loss.png)")
     p.set_defaults(func=_demo)
