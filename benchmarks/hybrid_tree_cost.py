@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from flashtree.models.context import ForwardContext
 from flashtree.models.qwen3_5 import Qwen35, Qwen35Args
 from flashtree.tree import build_tree, chain_spec
 
@@ -67,12 +68,12 @@ def main() -> None:
     cache = model.new_cache(1, args.context + max(args.sizes) + 1)
     cache.set_length(0, 0)
     prompt = torch.randint(args.vocab, (1, args.context), generator=gen)
-    model(prompt, torch.arange(args.context)[None], cache.view([0]))
-    cache.set_length(0, args.context)
+    ctx = ForwardContext.prefill(cache, [0], args.context)
+    model(prompt, ctx)
+    cache.commit(ctx, [args.context])
 
-    def run(spec):
-        view = cache.view([0])
-        return lambda: model(spec.tokens.clamp(min=0), view.starts[:, None] + spec.depths, view, spec)
+    def run(spec):  # the context (mask, tree lookups) is built inside: it is part of a verify's cost
+        return lambda: model(spec.tokens.clamp(min=0), ForwardContext.verify(cache, [0], spec))
 
     rows = []
     for threads in args.threads:

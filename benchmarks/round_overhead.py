@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from flashtree import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from flashtree.models.mask import window_mask  # noqa: E402
+from flashtree.models.context import ForwardContext  # noqa: E402
 from flashtree.tree import accept_walk, build_chain, build_tree  # noqa: E402
 from tiny import make_drafter, make_target  # noqa: E402
 
@@ -70,8 +70,7 @@ def main() -> None:
         # Mask and walk run inside verify/commit; time them alone on the same shapes.
         logits = torch.randn(1, args.block - 1, args.vocab)
         spec = build_chain(torch.tensor([1]), logits) if method == "dflash" else build_tree(torch.tensor([1]), logits, budget)
-        view = engine.runner.cache.view([0])
-        mask_ms = median_ms(lambda: window_mask(view, spec, spec.num_nodes))
+        mask_ms = median_ms(lambda: ForwardContext.verify(engine.runner.cache, [0], spec))
         picks = torch.randint(0, args.vocab, (1, spec.num_nodes))
         walk_ms = median_ms(lambda: accept_walk(spec, picks))
         total = sum(ms.values())

@@ -16,6 +16,7 @@ from flashtree import LLM, SamplingParams
 from flashtree.errors import FlashtreeError
 from flashtree.models.dflash import DFlashArgs, DFlashDrafter, save_drafter as save_dflash1
 from flashtree.models.dflash2 import DFlash2Args, DFlash2Drafter, load_drafter, save_drafter
+from flashtree.models.context import ForwardContext
 from flashtree.models.loader import load_target
 from test_drafter import hf_features, rms, rope
 from tiny import make_target
@@ -131,15 +132,22 @@ def reference_dflash2(drafter_dir, target_dir, features, block, start):
     return z, cands, trans, chain
 
 
+def draft_hidden(target, drafter, prompt, block):
+    """The engine's path: prefill the prompt, commit its features as context, draft the block."""
+    n = len(prompt)
+    out = target(torch.tensor([prompt]), ForwardContext.prefill(target.new_cache(1, 64), [0], n),
+                 tuple(drafter.args.target_layer_ids))
+    dcache = drafter.new_cache(1, 64)
+    ctx = ForwardContext.block(dcache, [0], n)
+    drafter.add_context(ctx, out.features)
+    dcache.commit(ctx, [n])
+    return drafter(target.embed_tokens(torch.tensor([block])), ForwardContext.block(dcache, [0], len(block)))
+
+
 def ours(target_dir, drafter_dir, prompt, block):
     target = load_target(target_dir, torch.float64, CPU)
     drafter = load_drafter(drafter_dir, target, torch.float64, CPU)
-    n = len(prompt)
-    out = target(torch.tensor([prompt]), torch.arange(n)[None], target.new_cache(1, 64).view([0]), None,
-                 tuple(drafter.args.target_layer_ids))
-    dcache = drafter.new_cache(1, 64)
-    drafter.add_context(dcache.view([0]), out.features, [n])
-    hidden = drafter(target.embed_tokens(torch.tensor([block])), dcache.view([0]))[:, 1:]
+    hidden = draft_hidden(target, drafter, prompt, block)[:, 1:]
     logits = drafter.logits(hidden, target.lm_head)
     cand, trans = drafter.transitions(hidden, logits, torch.tensor(block[:1]))
     return drafter, logits[0], cand[0], trans[0]
@@ -207,12 +215,7 @@ def test_zero_selector_and_identity_convs_are_dflash1(tmp_path):
 def ours_dflash1(target_dir, drafter_dir, prompt, block):
     target = load_target(target_dir, torch.float64, CPU)
     drafter = load_drafter(drafter_dir, target, torch.float64, CPU)  # the dispatch loads DFlash-1 too
-    n = len(prompt)
-    out = target(torch.tensor([prompt]), torch.arange(n)[None], target.new_cache(1, 64).view([0]), None,
-                 tuple(drafter.args.target_layer_ids))
-    dcache = drafter.new_cache(1, 64)
-    drafter.add_context(dcache.view([0]), out.features, [n])
-    hidden = drafter(target.embed_tokens(torch.tensor([block])), dcache.view([0]))
+    hidden = draft_hidden(target, drafter, prompt, block)
     return drafter, target.lm_head(hidden[:, 1:])[0], None, None
 
 

@@ -11,6 +11,7 @@ import transformers
 from safetensors.torch import load_file
 
 from flashtree.errors import FlashtreeError
+from flashtree.models.context import ForwardContext
 from flashtree.models.dflash import default_target_layer_ids, load_drafter
 from flashtree.models.loader import load_target
 from tiny import make_drafter, make_target
@@ -76,11 +77,12 @@ def ours_draft_logits(target_dir, drafter_dir, prompt, block):
     drafter = load_drafter(drafter_dir, target, torch.float64, CPU)
     n = len(prompt)
     tcache = target.new_cache(1, 64)
-    out = target(torch.tensor([prompt]), torch.arange(n)[None], tcache.view([0]), None,
-                 tuple(drafter.args.target_layer_ids))
+    out = target(torch.tensor([prompt]), ForwardContext.prefill(tcache, [0], n), tuple(drafter.args.target_layer_ids))
     dcache = drafter.new_cache(1, 64)
-    drafter.add_context(dcache.view([0]), out.features, [n])
-    hidden = drafter(target.embed_tokens(torch.tensor([block])), dcache.view([0]))
+    ctx = ForwardContext.block(dcache, [0], n)
+    drafter.add_context(ctx, out.features)
+    dcache.commit(ctx, [n])
+    hidden = drafter(target.embed_tokens(torch.tensor([block])), ForwardContext.block(dcache, [0], len(block)))
     return target.lm_head(hidden[:, 1:])[0]
 
 

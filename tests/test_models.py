@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from flashtree.errors import FlashtreeError
+from flashtree.models.context import ForwardContext
 from flashtree.models.loader import load_target
 from tiny import make_target
 
@@ -17,8 +18,7 @@ CPU = torch.device("cpu")
 
 def run_ours(model, ids: torch.Tensor, feature_layers=()):
     cache = model.new_cache(1, ids.shape[1] + 4)
-    positions = torch.arange(ids.shape[1])[None]
-    return model(ids, positions, cache.view([0]), None, feature_layers)
+    return model(ids, ForwardContext.prefill(cache, [0], ids.shape[1]), feature_layers)
 
 
 @pytest.mark.parametrize(
@@ -63,9 +63,10 @@ def test_incremental_tree_window_matches_full_sequence(tmp_path):
     spec = TreeSpec(tokens, parents, depths, torch.tensor([5]))
     cache = ours.new_cache(1, 32)
     with torch.no_grad():
-        ours(prompt, torch.arange(5)[None], cache.view([0]))
-        cache.set_length(0, 5)
-        out = ours(tokens, 5 + depths, cache.view([0]), spec)
+        ctx = ForwardContext.prefill(cache, [0], 5)
+        ours(prompt, ctx)
+        cache.commit(ctx, [5])
+        out = ours(tokens, ForwardContext.verify(cache, [0], spec))
         for node, path_nodes in {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 2, 4]}.items():
             seq = torch.cat([prompt, tokens[:, path_nodes]], dim=1)
             ref = hf(seq).logits[0, -1]

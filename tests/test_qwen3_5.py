@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flashtree.errors import FlashtreeError
+from flashtree.models.context import ForwardContext
 from flashtree.models.loader import load_target
 from flashtree.tree import TreeSpec, chain_spec
 from tests.tiny import make_drafter
@@ -55,9 +56,9 @@ def make_qwen35(out, seed: int = 0, logit_scale: float = 1.0, moe: bool = False,
 
 def prefill(model, cache, slot: int, ids: list[int]):
     cache.set_length(slot, 0)
-    t = torch.tensor([ids])
-    out = model(t, torch.arange(len(ids))[None], cache.view([slot]))
-    cache.set_length(slot, len(ids))
+    ctx = ForwardContext.prefill(cache, [slot], len(ids))
+    out = model(torch.tensor([ids]), ctx)
+    cache.commit(ctx, [len(ids)])
     return out
 
 
@@ -78,18 +79,18 @@ def test_prefill_and_decode_match_hf(tmp_path, overrides):
         cache = ours.new_cache(3, 128)
         for s in (1, 2):
             cache.set_length(s, 0)
-        out = ours(ids[:, :80], torch.arange(80).expand(2, -1), cache.view([1, 2]))  # chunked: 64 + 16
-        for s in (1, 2):
-            cache.set_length(s, 80)
+        ctx = ForwardContext.prefill(cache, [1, 2], 80)
+        out = ours(ids[:, :80], ctx)  # chunked: 64 + 16
+        cache.commit(ctx, [80, 80])
         hf_cache = DynamicCache(config=hf.config)
         ref = hf(ids[:, :80], cache=hf_cache, use_cache=True)
         assert (out.logits - ref.logits).abs().max() < 1e-4
         for t in range(80, 90):  # step-by-step decode through commit, as the engine runs AR
             ref = hf(ids[:, t:t + 1], cache=hf_cache, use_cache=True)
-            view = cache.view([1, 2])
             spec = chain_spec(ids[:, t:t + 1])
-            out = ours(spec.tokens, view.starts[:, None] + spec.depths, view, spec)
-            cache.commit(view, torch.zeros(2, 1, dtype=torch.long), [1, 1], chain=True)
+            ctx = ForwardContext.verify(cache, [1, 2], spec)
+            out = ours(spec.tokens, ctx)
+            cache.commit(ctx, [1, 1], torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long))
             assert (out.logits - ref.logits).abs().max() < 1e-4
 
 
@@ -178,8 +179,8 @@ def test_tree_nodes_match_their_paths(tmp_path, seed, fast_decay):
         cache = model.new_cache(2, 128)
         for slot, prompt in enumerate(prompts):
             prefill(model, cache, slot, prompt)
-        view = cache.view([0, 1])
-        out = model(spec.tokens.clamp(min=0), view.starts[:, None] + spec.depths, view, spec, feature_layers=(1, 2))
+        ctx = ForwardContext.verify(cache, [0, 1], spec)
+        out = model(spec.tokens.clamp(min=0), ctx, feature_layers=(1, 2))
 
         ref_cache = model.new_cache(1, 128)
         for r, (tokens, parents, _) in enumerate(trees):
@@ -189,14 +190,13 @@ def test_tree_nodes_match_their_paths(tmp_path, seed, fast_decay):
                 ref = prefill(model, ref_cache, 0, seq)
                 assert (out.logits[r, i] - ref.logits[0, -1]).abs().max() < 1e-9
 
-                committed = copy.deepcopy(cache)
-                committed.windows = cache.windows  # the window records are shared, not copied state
+                committed = copy.deepcopy(cache)  # ctx (slots, starts, GDN window records) commits into the copy
                 accepted = torch.full((2, spec.depth_bound + 1), -1)
                 accepted[r, :len(nodes)] = torch.tensor(nodes)
                 accepted[1 - r, 0] = 0
                 counts = [1, 1]
                 counts[r] = len(nodes)
-                committed.commit(view, accepted, counts)
+                committed.commit(ctx, counts, accepted, torch.tensor(counts))
                 assert committed.lengths[r] == len(seq)
                 assert (committed.state[:, r] - ref_cache.state[:, 0]).abs().max() < 1e-9
                 assert (committed.conv[:, r] - ref_cache.conv[:, 0]).abs().max() < 1e-9
@@ -214,11 +214,11 @@ def test_chain_window_commit_equals_sequence(tmp_path):
         for keep in range(1, len(chain) + 1):
             cache = model.new_cache(1, 64)
             prefill(model, cache, 0, prompt)
-            view = cache.view([0])
             spec = chain_spec(torch.tensor([chain]))
-            model(spec.tokens, view.starts[:, None] + spec.depths, view, spec)
-            cache.commit(view, torch.arange(len(chain))[None].masked_fill(torch.arange(len(chain)) >= keep, -1),
-                         [keep], chain=True)
+            ctx = ForwardContext.verify(cache, [0], spec)
+            model(spec.tokens, ctx)
+            cache.commit(ctx, [keep], torch.arange(len(chain))[None].masked_fill(torch.arange(len(chain)) >= keep, -1),
+                         torch.tensor([keep]))
             ref = model.new_cache(1, 64)
             prefill(model, ref, 0, prompt + chain[:keep])
             assert (cache.state - ref.state).abs().max() < 1e-9
@@ -238,10 +238,10 @@ def test_fast_decay_prefill_equals_token_by_token(tmp_path):
         step = model.new_cache(1, 128)
         prefill(model, step, 0, ids[:1])
         for t in range(1, len(ids)):
-            view = step.view([0])
             spec = chain_spec(torch.tensor([[ids[t]]]))
-            out = model(spec.tokens, view.starts[:, None] + spec.depths, view, spec)
-            step.commit(view, torch.zeros(1, 1, dtype=torch.long), [1], chain=True)
+            ctx = ForwardContext.verify(step, [0], spec)
+            out = model(spec.tokens, ctx)
+            step.commit(ctx, [1], torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))
             assert (out.logits[0, 0] - ref.logits[0, t]).abs().max() < 1e-9
     assert (step.state - whole.state).abs().max() < 1e-9
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flashtree.cache import KVCache
-from flashtree.models.dflash import DFlashDrafter, SlidingDraftCache, load_drafter
+from flashtree.cache import KVCache, SlidingDraftCache
+from flashtree.models.context import ForwardContext
+from flashtree.models.dflash import DFlashDrafter, load_drafter
 from flashtree.models.loader import load_target
 from tests.tiny import make_drafter, make_target
 
@@ -80,6 +81,13 @@ def unbounded_cache(drafter: DFlashDrafter, slots: int, max_len: int) -> KVCache
     return KVCache(a.num_layers, slots, max_len, a.num_kv_heads, a.head_dim, p.dtype, p.device)
 
 
+def append(drafter: DFlashDrafter, cache: KVCache, slots: list[int], feats: torch.Tensor, counts: list[int]) -> None:
+    """What the runner does with a round's accepted features: write them all, keep counts[r] per slot."""
+    ctx = ForwardContext.block(cache, slots, feats.shape[1])
+    drafter.add_context(ctx, feats)
+    cache.commit(ctx, counts)
+
+
 @pytest.mark.parametrize("layer_types", [["sliding_attention", "full_attention"], ["sliding_attention"] * 2])
 def test_sliding_drafter_matches_reference_and_bounded_cache(tmp_path, layer_types):
     """Two slots go through a long prefill (longer than the ring) then rounds that append a block with
@@ -104,14 +112,14 @@ def test_sliding_drafter_matches_reference_and_bounded_cache(tmp_path, layer_typ
             feats = torch.randn(1, n, F, generator=gen, dtype=torch.float64)
             for cache in (bounded, full):
                 cache.set_length(slot, 0)
-                drafter.add_context(cache.view([slot]), feats, [n])
+                append(drafter, cache, [slot], feats, [n])
             committed[slot] = feats[0]
         for rnd in range(8):
             block = torch.full((2, BLOCK), drafter.args.mask_token_id)
             block[:, 0] = torch.randint(0, 60, (2,), generator=gen)
             noise = target.embed_tokens(block)
-            hb = drafter(noise, bounded.view(slots))
-            hf = drafter(noise, full.view(slots))
+            hb = drafter(noise, ForwardContext.block(bounded, slots, BLOCK))
+            hf = drafter(noise, ForwardContext.block(full, slots, BLOCK))
             assert (hb - hf).abs().max() < 1e-10
             logits = target.lm_head(hb[:, 1:])
             for r, slot in enumerate(slots):
@@ -121,7 +129,7 @@ def test_sliding_drafter_matches_reference_and_bounded_cache(tmp_path, layer_typ
             counts = [int(c) for c in torch.randint(1, BLOCK + 1, (2,), generator=gen)]
             feats = torch.randn(2, BLOCK, F, generator=gen, dtype=torch.float64)
             for cache in (bounded, full):
-                drafter.add_context(cache.view(slots), feats, counts)
+                append(drafter, cache, slots, feats, counts)
             for r, slot in enumerate(slots):
                 committed[slot] = torch.cat([committed[slot], feats[r, :counts[r]]])
     assert min(len(c) for c in committed.values()) > WINDOW + BLOCK  # both slots wrapped the ring

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from flashtree.errors import FlashtreeError
+from flashtree.models.context import ForwardContext
 from flashtree.models.dflash import DFlashArgs, DFlashDrafter
 from flashtree.models.dflash2 import DFlash2Args, DFlash2Drafter, load_drafter
 from flashtree.models.loader import load_target
@@ -177,15 +178,17 @@ def test_training_forward_matches_inference_drafter(tmp_path: Path, anchors: lis
                            torch.float64, torch.device("cpu"))
     ids = torch.randint(0, 60, (1, 14))
     cache = target.new_cache(1, 14)
-    feats = target(ids, torch.arange(14)[None], cache.view([0]), None, (1, 2)).features
+    feats = target(ids, ForwardContext.prefill(cache, [0], 14), (1, 2)).features
     anc = torch.tensor([anchors])
     tokens = block_tokens(ids, anc, 4, drafter.args.mask_token_id)
     with torch.no_grad():
         hidden = BlockDrafter(drafter)(feats, target.embed_tokens(tokens), anc)
         for j, a in enumerate(anchors):
             dcache = drafter.new_cache(1, 32)
-            drafter.add_context(dcache.view([0]), feats[:, :a], [a])
-            ref = drafter(target.embed_tokens(tokens[:, j]), dcache.view([0]))
+            ctx = ForwardContext.block(dcache, [0], a)
+            drafter.add_context(ctx, feats[:, :a])
+            dcache.commit(ctx, [a])
+            ref = drafter(target.embed_tokens(tokens[:, j]), ForwardContext.block(dcache, [0], tokens.shape[-1]))
             torch.testing.assert_close(target.lm_head(hidden[:, j, 1:]), target.lm_head(ref[:, 1:]),
                                        rtol=1e-9, atol=1e-9)
 

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from flashtree.bench.metrics import interpolate
+from flashtree.models.context import ForwardContext
 from flashtree.sampling import SamplingParams, pick_tokens
 from flashtree.tree import TreeSpec, build_tree, chain_spec
 
@@ -118,11 +119,10 @@ def measure_cost_curve(target, drafter, tree_sizes: list[int], chain_sizes: list
     pick: dict[int, dict[str, list[float]]] = {i: {k: [] for k in params} for i in range(len(specs))}
     for i, (_, _, spec) in enumerate(specs):
         for rep in range(warmup + repeats):
-            view = cache.view([0])
-            positions = view.starts[:, None] + spec.depths
+            ctx = ForwardContext.verify(cache, [0], spec)
             _sync(device)
             t0 = time.perf_counter()
-            out = target(spec.tokens.clamp(min=0), positions, view, spec, features)
+            out = target(spec.tokens.clamp(min=0), ctx, features)
             _sync(device)
             t1 = time.perf_counter()
             picked = {}

@@ -119,9 +119,7 @@ def encode_prompt(engine: LLMEngine, prompt: Prompt) -> list[int]:
         return engine.encode(prompt.token_ids)
     tok = engine.tokenizer
     if prompt.chat and tok is not None and getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": prompt.text}], tokenize=False,
-                                       add_generation_prompt=True)
-        return engine.encode(text)
+        return engine.encode(engine.encode_chat([{"role": "user", "content": prompt.text}]))
     return engine.encode(prompt.text)
 
 

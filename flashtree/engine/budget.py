@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from flashtree.models.context import ForwardContext
 from flashtree.tree import chain_spec
 
 CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -65,11 +66,12 @@ class AutoBudget:
         verify = {}
         for n in sizes:
             spec = chain_spec(torch.zeros(1, n, dtype=torch.long, device=device))
-            positions = context + spec.depths
-            verify[n] = _time(lambda: target(spec.tokens, positions, cache.view([0]), spec,
+            verify[n] = _time(lambda: target(spec.tokens, ForwardContext.verify(cache, [0], spec),
                                              tuple(drafter.args.target_layer_ids)), device)
         block = torch.zeros(1, drafter.block_size, dtype=torch.long, device=device)
-        draft = _time(lambda: target.lm_head(drafter(target.embed_tokens(block), draft_cache.view([0]))), device)
+        draft = _time(lambda: target.lm_head(drafter(target.embed_tokens(block),
+                                                     ForwardContext.block(draft_cache, [0], drafter.block_size))),
+                      device)
         cache.set_length(0, 0)
         draft_cache.set_length(0, 0)
         return cls(max_budget, verify, draft)
@@ -85,12 +87,15 @@ class AutoBudget:
 
     def choose(self, expected: list[list[float]], cap: int) -> int:
         """The budget (<= cap) with the best predicted throughput; expected[r][b-1] = E_b of row r."""
-        rows = len(expected)
+        gains = [sum(row[min(b, len(row)) - 1] for row in expected if row) for b in self.candidates if b <= cap]
+        return self.choose_gains(gains, len(expected), cap)
+
+    def choose_gains(self, gains: list[float], rows: int, cap: int) -> int:
+        """The same choice from gains[i] = E summed over the batch's rows at budget candidates[i]."""
         best, best_rate = 1, -1.0
-        for b in self.candidates:
+        for b, gain in zip(self.candidates, gains):
             if b > cap:
                 break
-            gain = sum(row[min(b, len(row)) - 1] for row in expected if row)
             rate = (rows + self.calibration * gain) / (self.draft_seconds + self.verify_seconds(rows * (b + 1)))
             if rate > best_rate:
                 best, best_rate = b, rate

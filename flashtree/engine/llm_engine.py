@@ -9,10 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from flashtree.config import EngineConfig
+from flashtree.engine.prompts import encode_chat, max_prompt_chars
 from flashtree.engine.runner import ModelRunner
 from flashtree.engine.scheduler import Scheduler
 from flashtree.engine.sequence import STAGES, Request, Status
-from flashtree.errors import FlashtreeError
+from flashtree.errors import FlashtreeError, PromptTooLong
 from flashtree.models.dflash2 import load_drafter  # DFlash-1 or DFlash2, by architectures
 from flashtree.models.loader import load_target, parse_dtype
 from flashtree.sampling import SamplingParams
@@ -24,7 +25,6 @@ class StepOutput:
 
     request: Request
     new_token_ids: list[int]
-    new_text: str
     finished: bool
 
 
@@ -37,6 +37,15 @@ class RoundInfo:
     accept_lengths: list[int]
 
 
+@dataclass
+class EngineStats:
+    """What a monitor may read about the engine (the server's /metrics gauges)."""
+
+    waiting: int  # requests queued for a slot
+    running: int  # requests holding a slot
+    last_round: RoundInfo | None  # a new object after every batched round
+
+
 def load_tokenizer(path):
     """The checkpoint's tokenizer (with its chat template), or None if it ships none."""
     from transformers import AutoTokenizer
@@ -45,9 +54,13 @@ def load_tokenizer(path):
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError):
         return None
+    # The engine enforces max_model_len itself; the tokenizer's own limit would only print a
+    # warning ahead of the engine's clear error.
+    tokenizer.model_max_length = 1 << 62
+    return tokenizer
 
 
 class LLMEngine:
@@ -106,15 +119,37 @@ class LLMEngine:
             raise FlashtreeError(f"prompt token ids must be integers in [0, {vocab})")
         return ids
 
+    def encode_chat(self, messages: list[dict], special_tokens: bool = False) -> list[int]:
+        """Token ids of a chat (role/content dicts) through the target's chat template, ready for the
+        assistant's turn. Special-token strings inside content stay text unless special_tokens."""
+        return encode_chat(self.tokenizer, messages, special_tokens)
+
+    def check_length(self, ids: list[int]) -> None:
+        """Refuse a prompt that leaves no room for output (add_request does this too)."""
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise PromptTooLong(
+                f"the prompt has {len(ids)} tokens but the context holds {limit} (prompt + output); "
+                "shorten the prompt or raise max_model_len (--max-model-len)"
+            )
+
+    def check_size(self, chars: int) -> None:
+        """Refuse, without tokenizing, a text of `chars` characters that no tokenization could fit
+        in the context (bound: the vocabulary's longest token, with slack for Unicode normalizers)."""
+        limit = self.config.max_model_len
+        bound = max_prompt_chars(self.tokenizer, limit)
+        if bound is not None and chars > bound:
+            raise PromptTooLong(f"the prompt has {chars} characters; the context holds {limit} tokens, and "
+                                f"prompts over {bound} characters are refused without tokenizing them")
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(len(s.waiting), len(s.running), self.last_round)
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
         params = params or SamplingParams()
         ids = self.encode(prompt)
-        limit = self.config.max_model_len
-        if len(ids) >= limit:
-            raise FlashtreeError(
-                f"the prompt has {len(ids)} tokens but the context holds {limit} (prompt + output); "
-                "shorten the prompt or raise max_model_len"
-            )
+        self.check_length(ids)
         req = Request(ids, params)
         if request_id is not None:
             req.request_id = request_id
@@ -196,13 +231,12 @@ class LLMEngine:
                 if hit:
                     reason = "stop"
             req.text = text
-        delta = req.text[len(old_text):]
         if reason is None:
             req.bonus = tokens[-1]
         else:
             self.scheduler.finish(req, reason)
             req.stats.finished = time.perf_counter()
-        return StepOutput(req, new, delta, req.finished)
+        return StepOutput(req, new, req.finished)
 
 
 def trim_stop(text: str, stops: list[str], search_from: int) -> tuple[str, bool]:
@@ -213,4 +247,4 @@ def trim_stop(text: str, stops: list[str], search_from: int) -> tuple[str, bool]
     return text[: min(hits)], True
 
 
-__all__ = ["LLMEngine", "StepOutput", "RoundInfo", "STAGES", "Status"]
+__all__ = ["LLMEngine", "StepOutput", "RoundInfo", "EngineStats", "STAGES", "Status"]

@@ -4,8 +4,10 @@ Stages as timed: draft = drafter forward + LM head + appending the accepted node
 the drafter's context; tree = building the tree; verify = target forward (mask included) +
 per-node token choice; commit = accept walk + the round's one host read + KV compaction.
 
-Everything between the drafter call and the commit stays on the device; the round reads
-back one small tensor (accepted counts and tokens) at the end.
+The round touches the host twice: on the way in, one non-blocking copy of staged inputs (slots,
+starts, roots); on the way out, one `.tolist()` of accepted counts and tokens (plus, for
+budget="auto", the expected acceptance that sizes the next round). Everything between stays on
+the device. The runner owns every cache length: it commits the target and drafter caches.
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from flashtree.cache import CacheView
 from flashtree.config import EngineConfig
+from flashtree.engine.budget import AutoBudget
 from flashtree.engine.sequence import Request
 from flashtree.errors import FlashtreeError
+from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
 from flashtree.models.dflash2 import DFlash2Drafter
 from flashtree.sampling import pick_tokens
-from flashtree.engine.budget import AutoBudget
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
 from flashtree.tree.budget import expected_accepts, truncate
 from flashtree.tree.markov import build_markov_chain, build_markov_tree
@@ -34,7 +36,6 @@ class StageClock:
 
     def __init__(self, device: torch.device, sync: bool) -> None:
         self.sync = sync and device.type == "cuda"
-        self.enabled = sync or device.type != "cuda"
         self.seconds: dict[str, float] = {}
 
     @contextmanager
@@ -46,6 +47,29 @@ class StageClock:
         if self.sync:
             torch.cuda.synchronize()
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+class InputStage:
+    """A round's host inputs (slots, starts, roots) staged in one fixed host buffer, pinned on
+    CUDA, and sent with one non-blocking copy into a fixed device buffer.
+
+    Reusing the pinned buffer is safe: the previous round's copy finished before that round's
+    one read returned, and the next round writes it only after.
+    """
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        on_cuda = device.type == "cuda"
+        self.host = torch.zeros(3, size, dtype=torch.long, pin_memory=on_cuda)
+        self.rows = self.host.numpy()
+        self.device = torch.empty(3, size, dtype=torch.long, device=device) if device.type != "cpu" else self.host
+
+    def upload(self, slots: list[int], starts: list[int], roots: list[int]) -> tuple[SlotBatch, Tensor]:
+        n = len(slots)
+        self.rows[0, :n], self.rows[1, :n], self.rows[2, :n] = slots, starts, roots
+        if self.device is not self.host:
+            self.device.copy_(self.host, non_blocking=True)
+        d = self.device
+        return SlotBatch(list(slots), list(starts), d[0, :n], d[1, :n]), d[2, :n]
 
 
 class ModelRunner:
@@ -62,28 +86,36 @@ class ModelRunner:
         cache_len = config.max_model_len + self.max_window
         self.cache = target.new_cache(config.max_batch, cache_len)
         self.draft_cache = drafter.new_cache(config.max_batch, cache_len) if drafter is not None else None
+        self.inputs = InputStage(config.max_batch, device)
         sync = config.stage_timing if config.stage_timing is not None else device.type != "cuda"
         self.clock = StageClock(device, sync)
         self.auto = None
-        self.predicted = 0.0  # drafter-expected accepted nodes of the last auto-sized round
         if self.method == "ddtree" and config.budget == "auto":
             self.auto = AutoBudget.measure(target, drafter, self.cache, self.draft_cache, config.max_budget)
+            self.auto_columns = torch.tensor(self.auto.candidates, device=device) - 1
+        # budget="auto" sizes each round from the previous round's draft, read with that round's results.
+        self.expected: dict[str, list[float]] = {}  # request id -> expected accepts at each auto candidate
 
-    def budgets(self, n: int) -> int:
+    def round_budget(self, n: int) -> int:
         """Per-request tree budget for a batch of n: capped so all trees fit max_round_tokens."""
         return max(1, min(self.config.tree_budget, self.config.max_round_tokens // n - 1))
 
     @torch.inference_mode()
     def prefill(self, req: Request) -> int:
         """Fill a fresh slot with the prompt; returns the target's first token (the first bonus)."""
+        n = len(req.prompt_ids)
         ids = torch.tensor([req.prompt_ids], device=self.device)
-        positions = torch.arange(ids.shape[1], device=self.device)[None]
         self.cache.set_length(req.slot, 0)
-        out = self.target(ids, positions, self.cache.view([req.slot]), None, self.feature_layers, last_only=True)
-        self.cache.set_length(req.slot, ids.shape[1])
         if self.drafter is not None:
             self.draft_cache.set_length(req.slot, 0)
-            self.drafter.add_context(self.draft_cache.view([req.slot]), out.features, [ids.shape[1]])
+        batch = SlotBatch.of(self.cache, [req.slot])
+        ctx = ForwardContext.prefill(self.cache, batch, n)
+        out = self.target(ids, ctx, self.feature_layers, last_only=True)
+        self.cache.commit(ctx, [n])
+        if self.drafter is not None:
+            dctx = ForwardContext.block(self.draft_cache, batch, n)
+            self.drafter.add_context(dctx, out.features)
+            self.draft_cache.commit(dctx, [n])
         return int(pick_tokens(out.logits, [req.params], [req.generator])[0, -1])
 
     @torch.inference_mode()
@@ -91,37 +123,32 @@ class ModelRunner:
         """One round for every request in `reqs`; returns each one's emitted tokens."""
         self.clock.seconds = {}
         slots = [r.slot for r in reqs]
-        # Host-to-device copies (roots, cache starts) happen here, before any kernel is queued,
-        # so they never wait on the device mid-round.
-        roots = torch.tensor([r.bonus for r in reqs], device=self.device)
-        view = self.cache.view(slots)
-        draft_view = self.draft_cache.view(slots) if self.drafter is not None else None
-        spec = self.draft(draft_view, roots)
+        batch, roots = self.inputs.upload(slots, [self.cache.lengths[s] for s in slots], [r.bonus for r in reqs])
+        spec, plan = self.draft(batch, roots, reqs)
         with self.clock.stage("verify"):
-            positions = view.starts[:, None] + spec.depths
-            out = self.target(spec.tokens.clamp(min=0), positions, view, spec, self.feature_layers)
+            ctx = ForwardContext.verify(self.cache, batch, spec)
+            out = self.target(spec.tokens.clamp(min=0), ctx, self.feature_layers)
             picks = pick_tokens(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
         with self.clock.stage("commit"):
             walk = accept_walk(spec, picks)
-            host = torch.cat([walk.num_nodes[:, None], walk.tokens], dim=1).tolist()
-            counts = [row[0] for row in host]
-            self.cache.commit(view, walk.path, counts, chain=spec.is_chain)
-            if self.auto is not None:
-                self.auto.observe(self.predicted, sum(counts) - len(counts))
+            counts, emitted = self.read_round(walk.num_nodes, walk.tokens, reqs, plan)
+            self.cache.commit(ctx, counts, walk.path, walk.num_nodes)
         if self.drafter is not None:
             # Projecting the accepted nodes' features into drafter K/V is drafter model work.
             with self.clock.stage("draft"):
-                self.drafter.add_context(draft_view, gather_nodes(out.features, walk.path), counts)
-        emitted = [row[1 : 1 + row[0]] for row in host]
+                dctx = ForwardContext.block(self.draft_cache, batch, walk.path.shape[1])
+                self.drafter.add_context(dctx, gather_nodes(out.features, walk.path))
+                self.draft_cache.commit(dctx, counts)
         return emitted, dict(self.clock.seconds)
 
-    def draft(self, view: CacheView | None, roots: Tensor) -> TreeSpec:
+    def draft(self, batch: SlotBatch, roots: Tensor, reqs: list[Request]) -> tuple[TreeSpec, AutoPlan | None]:
         if self.drafter is None:
-            return chain_spec(roots[:, None])
+            return chain_spec(roots[:, None]), None
         with self.clock.stage("draft"):
-            block = torch.full((roots.shape[0], self.block_size), self.drafter.args.mask_token_id, device=self.device)
+            block = torch.full((batch.size, self.block_size), self.drafter.args.mask_token_id, device=self.device)
             block[:, 0] = roots
-            hidden = self.drafter(self.target.embed_tokens(block), view)[:, 1:]
+            hidden = self.drafter(self.target.embed_tokens(block), ForwardContext.block(self.draft_cache, batch,
+                                                                                        self.block_size))[:, 1:]
             if isinstance(self.drafter, DFlash2Drafter):
                 logits = self.drafter.logits(hidden, self.target.lm_head)
             else:
@@ -129,16 +156,66 @@ class ModelRunner:
             markov = self.drafter.transitions(hidden, logits, roots) if self.use_selector else None
         with self.clock.stage("tree"):
             if self.method == "dflash":
-                return build_markov_chain(roots, *markov) if markov else build_chain(roots, logits)
-            budget = self.budgets(roots.shape[0])
-            spec = build_markov_tree(roots, *markov, budget) if markov else build_tree(roots, logits, budget)
-            if self.auto is not None:
-                # One extra host read per round: the window's size must be known to shrink it.
-                expected = expected_accepts(spec).tolist()
-                budget = self.auto.choose(expected, self.budgets(roots.shape[0]))
-                spec = truncate(spec, budget)
-                self.predicted = sum(row[min(budget, len(row)) - 1] for row in expected if row)
-            return spec
+                return (build_markov_chain(roots, *markov) if markov else build_chain(roots, logits)), None
+            cap = self.round_budget(batch.size)
+
+            def tree(budget: int) -> TreeSpec:  # exact top-budget under the selector's draft, or the marginals'
+                return build_markov_tree(roots, *markov, budget) if markov else build_tree(roots, logits, budget)
+
+            if self.auto is None:
+                return tree(cap), None
+            # The full-size tree's expected acceptance, read with this round's results, sizes the
+            # next round; this round uses the size the previous round's draft chose.
+            plan = AutoPlan(self.auto, cap, self.auto_budget(reqs, cap))
+            full = tree(cap)
+            e = expected_accepts(full)  # [R, cap]: column b-1 is the top-b tree
+            plan.expected = torch.cat([e[:, self.auto_columns[: len(plan.candidates)]],
+                                       e[:, plan.budget - 1 : plan.budget]], dim=1)
+            return truncate(full, plan.budget), plan
+
+    def auto_budget(self, reqs: list[Request], cap: int) -> int:
+        """This round's budget from the expectations the previous round read (cap before any)."""
+        known = [self.expected[r.request_id] for r in reqs if r.request_id in self.expected]
+        if not known:
+            return cap
+        columns = min(len(e) for e in known)
+        mean = [sum(e[c] for e in known) / len(known) for c in range(columns)]
+        gains = [mean[c] * len(reqs) for c in range(columns)]  # requests without a record count as the mean
+        return self.auto.choose_gains(gains, len(reqs), cap)
+
+    def read_round(self, num_nodes: Tensor, tokens: Tensor, reqs: list[Request], plan: AutoPlan | None
+                   ) -> tuple[list[int], list[list[int]]]:
+        """The round's one device-to-host read: accepted counts and tokens (and auto's expectations)."""
+        packed = torch.cat([num_nodes[:, None], tokens], dim=1)
+        if plan is None:
+            host = packed.tolist()
+        else:
+            # float64 holds every token id exactly, so the expectations ride along in the same read.
+            host = torch.cat([packed.double(), plan.expected.double()], dim=1).tolist()
+            host = [[int(x) for x in row[: packed.shape[1]]] + [row[packed.shape[1]:]] for row in host]
+            self.observe(plan, host, reqs)
+        counts = [row[0] for row in host]
+        return counts, [row[1 : 1 + row[0]] for row in host]
+
+    def observe(self, plan: AutoPlan, host: list[list], reqs: list[Request]) -> None:
+        expected = [row[-1] for row in host]
+        predicted = sum(e[plan.used] for e in expected)
+        self.auto.observe(predicted, sum(row[0] for row in host) - len(host))
+        live = {r.request_id for r in reqs}
+        self.expected = {k: v for k, v in self.expected.items() if k in live}
+        for req, e in zip(reqs, expected):
+            self.expected[req.request_id] = e[: len(plan.candidates)]
+
+
+class AutoPlan:
+    """One auto-sized round: its budget, and the expected accepts it reads back: one column per
+    candidate budget <= cap, then the used budget's (for calibration)."""
+
+    def __init__(self, auto: AutoBudget, cap: int, budget: int) -> None:
+        self.budget = budget
+        self.candidates = [b for b in auto.candidates if b <= cap]
+        self.used = len(self.candidates)
+        self.expected: Tensor | None = None  # [R, len(candidates) + 1]
 
 
 def selector_on(drafter: DFlashDrafter | None, wanted: bool | None) -> bool:

@@ -5,11 +5,9 @@ from __future__ import annotations
 from collections import deque
 
 from flashtree.engine.sequence import Request, Status
-from flashtree.errors import FlashtreeError
+from flashtree.errors import QueueFull
 
-
-class QueueFull(FlashtreeError):
-    """The waiting queue is at its bound; the caller should retry later (HTTP 429)."""
+__all__ = ["Scheduler", "QueueFull"]  # QueueFull lives in flashtree.errors; re-exported for old imports
 
 
 class Scheduler:
@@ -21,8 +19,10 @@ class Scheduler:
         self.free_slots = list(range(max_batch - 1, -1, -1))
 
     def add(self, req: Request) -> None:
-        if len(self.waiting) >= self.max_queue:
-            raise QueueFull(f"the queue is full ({self.max_queue} waiting requests); retry later")
+        """Queue a request. Only requests beyond the free slots count against max_queue: the
+        next admit() seats the others at once, so a burst on an idle engine is never refused."""
+        if len(self.waiting) - len(self.free_slots) >= self.max_queue:
+            raise QueueFull(f"the queue is full ({self.max_queue} requests wait for a slot); retry later")
         self.waiting.append(req)
 
     def admit(self) -> list[Request]:

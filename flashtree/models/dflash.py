@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from flashtree.cache import CacheView, KVCache
+from flashtree.cache import KVCache, SlidingDraftCache
 from flashtree.errors import FlashtreeError
+from flashtree.models.context import ForwardContext
 from flashtree.models.layers import MLP, RMSNorm, Rotary, apply_rotary, attention, rope_parameters
+from flashtree.models.mask import block_mask
 from flashtree.models.transformer import Attention
 
 
@@ -172,117 +174,38 @@ class DFlashDrafter(nn.Module):
         that is shorter than max_len, so their memory does not grow with the context."""
         p = self.fc.weight
         a = self.args
-        windows = [w for i in range(a.num_layers) if (w := a.window(i)) is not None]
-        if windows and max(windows) + a.block_size < max_len:
-            return SlidingDraftCache(a, num_slots, max_len, max(windows) + a.block_size, p.dtype, p.device)
+        windows = [a.window(i) for i in range(a.num_layers)]
+        longest = max((w for w in windows if w is not None), default=None)
+        if longest is not None and longest + a.block_size < max_len:
+            return SlidingDraftCache(windows, num_slots, max_len, longest + a.block_size, a.block_size,
+                                     a.num_kv_heads, a.head_dim, p.dtype, p.device)
         return KVCache(a.num_layers, num_slots, max_len, a.num_kv_heads, a.head_dim, p.dtype, p.device)
 
-    def add_context(self, view: CacheView, features: Tensor, counts: list[int]) -> None:
-        """Append target features [R, n, F] of newly committed tokens (counts[r] valid per row)."""
-        n = features.shape[1]
-        if isinstance(view.cache, SlidingDraftCache):
-            view.cache.check_append(n, counts)
-        rows = view.starts[:, None] + torch.arange(n, device=features.device)
-        ctx = self.hidden_norm(self.fc(features))
-        rope = self.rotary(rows, ctx.dtype)
+    def add_context(self, ctx: ForwardContext, features: Tensor) -> None:
+        """Write the context K/V of target features [R, n, F] at ctx.rows (ForwardContext.block of
+        n rows); the caller's `cache.commit(ctx, counts)` says how many of them each slot keeps."""
+        x = self.hidden_norm(self.fc(features))
+        rope = self.rotary(ctx.rows, x.dtype)
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.kv(ctx, rope)
-            view.cache.write(i, view, rows, k, v)
-        for slot, start, c in zip(view.slot_list, view.start_list, counts):
-            view.cache.lengths[slot] = start + c
+            k, v = layer.self_attn.kv(x, rope)
+            ctx.cache.write(i, ctx, k, v)
 
-    def forward(self, noise: Tensor, view: CacheView) -> Tensor:
-        """Hidden states [R, L, d] of the block embeddings `noise` after each slot's context.
-
-        `view` holds the drafter cache's slots; their lengths are the block's start positions.
-        """
-        r, n, _ = noise.shape
-        device = noise.device
-        positions = view.starts[:, None] + torch.arange(n, device=device)
-        rope = self.rotary(positions, noise.dtype)
-        keys = torch.arange(view.max_start, device=device)
-        ring = view.cache if isinstance(view.cache, SlidingDraftCache) else None
+    def forward(self, noise: Tensor, ctx: ForwardContext) -> Tensor:
+        """Hidden states [R, L, d] of the block embeddings `noise` after each slot's context
+        (ctx: ForwardContext.block of L rows over the drafter's cache)."""
+        rope = self.rotary(ctx.positions, noise.dtype)
+        keys = torch.arange(ctx.key_len, device=noise.device)
+        ring = ctx.cache if isinstance(ctx.cache, SlidingDraftCache) else None
         masks: dict[tuple[bool, int | None], Tensor] = {}
         x = noise
         for i, layer in enumerate(self.layers):
             window = self.args.window(i)
             in_ring = ring is not None and ring.in_ring(i)
             if (in_ring, window) not in masks:
-                held = ring.ring_positions(view) if in_ring else keys
-                masks[in_ring, window] = block_mask(held, view.starts, positions, window)
-            ctx = view.cache.read(i, view, view.max_start)
-            x = layer(x, rope, ctx, masks[in_ring, window])
+                held = ring.ring_positions(ctx) if in_ring else keys
+                masks[in_ring, window] = block_mask(held, ctx.starts, ctx.positions, window)
+            x = layer(x, rope, ctx.cache.read(i, ctx), masks[in_ring, window])
         return self.norm(x)
-
-
-def block_mask(keys: Tensor, starts: Tensor, positions: Tensor, window: int | None) -> Tensor:
-    """[R, 1, L, S + L]: context keys before the block's start (within the window), all of the block.
-
-    keys [S] (or [R, S] for a ring) are the context positions the cache rows hold; negative = empty.
-    """
-    keys = keys if keys.dim() == 2 else keys[None]
-    visible = (keys[:, None, :] < starts[:, None, None]) & (keys[:, None, :] >= 0)
-    if window is not None:
-        visible = visible & (positions[:, :, None] - keys[:, None, :] < window)
-    else:
-        visible = visible.expand(-1, positions.shape[1], -1)
-    block = torch.ones(positions.shape[0], positions.shape[1], positions.shape[1], dtype=torch.bool, device=keys.device)
-    return torch.cat([visible, block], dim=2)[:, None]
-
-
-class SlidingDraftCache(KVCache):
-    """Drafter context cache whose sliding-window layers keep only a ring of the last `ring_len`
-    (= window + block) entries; full-attention layers keep every position in the parent KVCache.
-
-    Row p % ring_len holds position p. A round appends at most a block of entries (accepted ones
-    first, then padding past the count), so the window - 1 positions the next block can see are
-    never overwritten, and rows holding anything else fall outside the window mask.
-    """
-
-    def __init__(self, args: DFlashArgs, num_slots: int, max_len: int, ring_len: int, dtype, device) -> None:
-        self.ring_layers = [i for i in range(args.num_layers) if args.window(i) is not None]
-        self.full_layers = [i for i in range(args.num_layers) if args.window(i) is None]
-        full_len = max_len if self.full_layers else 0  # all layers sliding: nothing grows with context
-        super().__init__(len(self.full_layers), num_slots, full_len, args.num_kv_heads, args.head_dim, dtype, device)
-        self.max_len = max_len
-        self.ring_len = ring_len
-        self.block_size = args.block_size
-        shape = (len(self.ring_layers), num_slots, ring_len, args.num_kv_heads, args.head_dim)
-        self.ring_k = torch.zeros(shape, dtype=dtype, device=device)
-        self.ring_v = torch.zeros(shape, dtype=dtype, device=device)
-
-    def in_ring(self, layer: int) -> bool:
-        return layer in self.ring_layers
-
-    def check_append(self, n: int, counts: list[int]) -> None:
-        """More padding than a block could overwrite positions the next block still sees."""
-        if n - min(counts) > self.block_size or (n > self.ring_len and min(counts) < n):
-            raise FlashtreeError(f"sliding drafter cache: cannot append {n} entries of which only {min(counts)} "
-                                 f"are kept (ring of {self.ring_len})")
-
-    def write(self, layer: int, view: CacheView, positions: Tensor, k: Tensor, v: Tensor) -> None:
-        if not self.in_ring(layer):
-            return super().write(self.full_layers.index(layer), view, positions, k, v)
-        if positions.shape[1] > self.ring_len:  # a long prefill: only its last ring_len entries matter
-            positions, k, v = positions[:, -self.ring_len:], k[:, -self.ring_len:], v[:, -self.ring_len:]
-        j = self.ring_layers.index(layer)
-        rows = view.slots[:, None].expand_as(positions)
-        self.ring_k[j, rows, positions % self.ring_len] = k
-        self.ring_v[j, rows, positions % self.ring_len] = v
-
-    def read(self, layer: int, view: CacheView, length: int) -> tuple[Tensor, Tensor]:
-        """Full layers: the first `length` rows. Ring layers: the whole ring (see ring_positions)."""
-        if not self.in_ring(layer):
-            return super().read(self.full_layers.index(layer), view, length)
-        j = self.ring_layers.index(layer)
-        k, v = self.ring_k[j, view.slots], self.ring_v[j, view.slots]
-        return k.transpose(1, 2), v.transpose(1, 2)
-
-    def ring_positions(self, view: CacheView) -> Tensor:
-        """[R, ring_len]: the latest committed position each ring row holds (negative = none yet)."""
-        t = torch.arange(self.ring_len, device=view.starts.device)
-        last = view.starts[:, None] - 1
-        return t + self.ring_len * torch.div(last - t, self.ring_len, rounding_mode="floor")
 
 
 def load_drafter(name_or_path, target: nn.Module, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:

@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from flashtree.cache import CacheView, KVCache
+from flashtree.cache import KVCache
+from flashtree.models.context import ForwardContext
 from flashtree.models.layers import MLP, RMSNorm, Rotary, apply_rotary, attention, rope_parameters
-from flashtree.models.mask import window_mask
-from flashtree.tree import TreeSpec
 
 
 @dataclass
@@ -75,7 +74,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], step: "Step") -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], ctx: ForwardContext) -> Tensor:
         r, n, _ = x.shape
         q = self.q_proj(x).view(r, n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(r, n, self.num_kv_heads, self.head_dim)
@@ -85,10 +84,9 @@ class Attention(nn.Module):
         cos, sin = rope
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
-        cache = step.view.cache
-        cache.write(self.layer, step.view, step.rows, k.transpose(1, 2), v)
-        keys, values = cache.read(self.layer, step.view, step.key_len)
-        out = attention(q, keys, values, step.mask, self.head_dim**-0.5)
+        ctx.cache.write(self.layer, ctx, k.transpose(1, 2), v)
+        keys, values = ctx.cache.read(self.layer, ctx)
+        out = attention(q, keys, values, ctx.mask, self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(r, n, -1))
 
 
@@ -100,24 +98,9 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], step: "Step") -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, step)
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], ctx: ForwardContext) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-@dataclass
-class Step:
-    """What every layer of one forward shares: the view, cache rows to write, the mask."""
-
-    view: CacheView
-    rows: Tensor  # [R, N] cache rows the window is written to
-    mask: Tensor  # [R, 1, N, key_len]
-    key_len: int
-
-    @classmethod
-    def make(cls, view: CacheView, tree: TreeSpec | None, n: int) -> "Step":
-        rows = view.starts[:, None] + torch.arange(n, device=view.starts.device)
-        return cls(view, rows, window_mask(view, tree, n), view.max_start + n)
 
 
 @dataclass
@@ -129,7 +112,7 @@ class ForwardOutput:
 class DecoderLM(nn.Module):
     """Embeddings, a stack of blocks, the final norm and the LM head: what every target shares.
 
-    Subclasses build `layers` and a per-forward `step` object their blocks understand.
+    Subclasses build `layers`; every block gets the forward's ForwardContext.
     """
 
     def __init__(self, args, layers: nn.ModuleList, norm: nn.Module | None = None) -> None:
@@ -151,15 +134,19 @@ class DecoderLM(nn.Module):
     def num_layers(self) -> int:
         return self.args.num_layers
 
-    def run(self, tokens: Tensor, positions: Tensor, step, feature_layers: tuple[int, ...],
-            last_only: bool) -> ForwardOutput:
-        """Features are the outputs of the blocks in `feature_layers` (HF hidden_states[k+1]),
-        concatenated in that order."""
+    def forward(self, tokens: Tensor, ctx: ForwardContext, feature_layers: tuple[int, ...] = (),
+                last_only: bool = False) -> ForwardOutput:
+        """Run a window of tokens [R, N] (ctx says where: rows, positions, mask, tree).
+
+        Features are the outputs of the blocks in `feature_layers` (HF hidden_states[k+1]),
+        concatenated in that order. The forward writes the window's K/V (and recurrent layers
+        their ctx.windows records); `cache.commit(ctx, ...)` decides what of it to keep.
+        """
         x = self.embed_tokens(tokens)
-        rope = self.rotary(positions, x.dtype)
+        rope = self.rotary(ctx.positions, x.dtype)
         features = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, step)
+            x = layer(x, rope, ctx)
             if i in feature_layers:
                 features[i] = x
         if last_only:
@@ -177,16 +164,3 @@ class Transformer(DecoderLM):
         p = self.embed_tokens.weight
         a = self.args
         return KVCache(a.num_layers, num_slots, max_len, a.num_kv_heads, a.head_dim, p.dtype, p.device)
-
-    def forward(
-        self,
-        tokens: Tensor,
-        positions: Tensor,
-        cache: CacheView,
-        tree: TreeSpec | None = None,
-        feature_layers: tuple[int, ...] = (),
-        last_only: bool = False,
-    ) -> ForwardOutput:
-        """Run a window of tokens [R, N] at `positions` [R, N] after each slot's prefix."""
-        step = Step.make(cache, tree, tokens.shape[1])
-        return self.run(tokens, positions, step, feature_layers, last_only)

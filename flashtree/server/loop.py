@@ -16,8 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from flashtree.engine import LLMEngine
-from flashtree.engine.sequence import Request
+from flashtree.engine import LLMEngine, Request
 from flashtree.errors import FlashtreeError
 from flashtree.sampling import SamplingParams
 from flashtree.server.metrics import ServerMetrics
@@ -55,12 +54,12 @@ class RequestStream:
     it falls behind.
     """
 
-    def __init__(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         self.loop = asyncio.get_running_loop()
         self.request_id = request_id
-        self.prompt = prompt
+        self.prompt_ids = prompt_ids
         self.params = params
-        self.admitted: asyncio.Future[int] = self.loop.create_future()  # -> prompt token count
+        self.admitted: asyncio.Future[None] = self.loop.create_future()
         self.latest: Update | None = None
         self.changed = asyncio.Event()
         self.finished = False
@@ -82,8 +81,8 @@ class RequestStream:
         except RuntimeError:  # the event loop is gone (server shut down): nobody is listening
             pass
 
-    def _admit(self, prompt_tokens: int) -> None:
-        self._post(_set_result, self.admitted, prompt_tokens)
+    def _admit(self) -> None:
+        self._post(_set_result, self.admitted, None)
 
     def _reject(self, error: BaseException) -> None:
         self._post(_set_exception, self.admitted, error)
@@ -121,11 +120,14 @@ class EngineLoop:
     def alive(self) -> bool:
         return self.thread.is_alive() and not self.stopping
 
-    async def submit(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request; returns once the engine accepted it (or raises its refusal)."""
+    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a tokenized request; returns once the engine accepted it (or raises its refusal).
+
+        Prompts arrive as token ids: tokenizing runs in the server's worker pool, never on
+        the engine thread, so a huge prompt cannot stall the rounds of running requests."""
         if not self.alive:
             raise EngineStopped("the server is shutting down")
-        stream = RequestStream(request_id, prompt, params)
+        stream = RequestStream(request_id, prompt_ids, params)
         self.inbox.put(("add", stream))
         try:
             await stream.admitted
@@ -227,17 +229,17 @@ class EngineLoop:
             stream._reject(EngineStopped("the server is shutting down"))
             return
         try:
-            req = self.engine.add_request(stream.prompt, stream.params, stream.request_id)
-        except FlashtreeError as e:  # bad prompt or QueueFull: the handler maps it to 400/429
+            req = self.engine.add_request(stream.prompt_ids, stream.params, stream.request_id)
+        except FlashtreeError as e:  # QueueFull (or a bad prompt): the handler maps it to 429/400
             stream._reject(e)
             return
-        except Exception as e:  # e.g. a tokenizer failure on odd input; still only this request's
+        except Exception as e:  # a bug; still only this request's
             log.exception("add_request failed")
             stream._reject(e)
             return
         self.streams[req.request_id] = (req, stream)
-        self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-        stream._admit(len(req.prompt_ids))
+        self.metrics.prompt_tokens.inc(len(stream.prompt_ids))
+        stream._admit()
 
     def _deliver(self, req: Request, error: BaseException | None = None) -> None:
         entry = self.streams.get(req.request_id)
@@ -252,9 +254,7 @@ class EngineLoop:
         stream._update(Update(req.text, len(req.output_ids), reason, error))
 
     def _abort_all(self, error: BaseException) -> None:
+        # Every request the engine holds was added by _add, which records it in self.streams.
         for req, _ in list(self.streams.values()):
             self.engine.abort(req)
             self._deliver(req, error)
-        # Requests the engine holds that no stream owns (none expected) must not linger either.
-        for req in list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running):
-            self.engine.abort(req)

@@ -8,9 +8,8 @@ OpenAI fields that the engine cannot honour are accepted only at their neutral v
 
 from __future__ import annotations
 
-import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -124,10 +123,41 @@ class SamplingFields(Strict):
                               max_tokens=max_tokens, stop=stop, seed=self.seed, ignore_eos=self.ignore_eos)
 
 
-class CompletionRequest(SamplingFields):
+class ContextBound(Strict):
+    """`context` (set per server by `bounded`): the tokens a prompt must stay under. Lists that
+    cannot fit (token ids, chat messages) are refused before their items are validated, which
+    for a few hundred thousand items would hold the event loop for seconds."""
+
+    context: ClassVar[int | None] = None
+
+
+def too_long(what: str, n: int, limit: int, fix: str) -> PydanticCustomError:
+    return PydanticCustomError("context_length_exceeded", "the prompt has {n} {what} but the context holds {limit} "
+                               "tokens (prompt + output); {fix}", {"n": n, "what": what, "limit": limit, "fix": fix})
+
+
+M = TypeVar("M", bound=ContextBound)
+
+
+def bounded(model: type[M], context: int) -> type[M]:
+    """`model` for a server whose context holds `context` tokens."""
+    return type(model.__name__, (model,), {"__module__": model.__module__, "__doc__": model.__doc__,
+                                           "context": context})
+
+
+class CompletionRequest(SamplingFields, ContextBound):
     prompt: Annotated[Text, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] = Field(
         ..., description="one prompt: text, or a list of token ids (batched prompts are not supported)")
     max_tokens: TokenCount | None = Field(16, description="OpenAI's default is 16")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fits(cls, data):
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        if cls.context and isinstance(prompt, list) and prompt and isinstance(prompt[0], int) \
+                and len(prompt) >= cls.context:
+            raise too_long("tokens", len(prompt), cls.context, "shorten the prompt")
+        return data
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -158,9 +188,20 @@ class ChatMessage(Strict):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ContextBound):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: TokenCount | None = Field(None, description="newer name for max_tokens")
+    parse_special_tokens: bool = Field(False, description="extension: special-token strings in message content "
+                                       "(e.g. <|im_start|>) become control tokens; by default they are plain text")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fits(cls, data):
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if cls.context and isinstance(messages, list) and len(messages) >= cls.context:
+            raise too_long("messages", len(messages), cls.context, "each message takes at least one token: "
+                           "send fewer messages")
+        return data
 
     @model_validator(mode="after")
     def _one_limit(self):
@@ -172,6 +213,11 @@ class ChatCompletionRequest(SamplingFields):
 
 
 # ---- responses ---------------------------------------------------------------------------------
+# Streamed chunks are these same models dumped with exclude_unset: a field a chunk does not
+# set (usage on all but the include_usage chunk, the role on all but the first chat delta) is
+# left out, as in OpenAI's streams.
+
+FinishReason = Literal["stop", "length"]
 
 
 class Usage(BaseModel):
@@ -181,37 +227,39 @@ class Usage(BaseModel):
 
 
 class CompletionChoice(BaseModel):
-    index: int = 0
+    index: int
     text: str
-    finish_reason: str | None
-    logprobs: None = None
+    finish_reason: FinishReason | None
+    logprobs: None = None  # the engine computes no logprobs yet; requests asking for them get a 400
 
 
 class CompletionResponse(BaseModel):
+    """A completion, and also each chunk of a streamed one (as in OpenAI's API)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    object: Literal["text_completion"]
+    created: int
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
 
 class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: Literal["assistant"]
     content: str
 
 
 class ChatChoice(BaseModel):
-    index: int = 0
+    index: int
     message: AssistantMessage
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     logprobs: None = None
 
 
 class ChatCompletionResponse(BaseModel):
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    object: Literal["chat.completion"]
+    created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
@@ -223,15 +271,15 @@ class ChatDelta(BaseModel):
 
 
 class ChatChunkChoice(BaseModel):
-    index: int = 0
+    index: int
     delta: ChatDelta
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None
     logprobs: None = None
 
 
 class ChatCompletionChunk(BaseModel):
     id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    object: Literal["chat.completion.chunk"]
     created: int
     model: str
     choices: list[ChatChunkChoice]

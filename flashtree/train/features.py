@@ -23,6 +23,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from flashtree.errors import FlashtreeError
+from flashtree.models.context import ForwardContext
 from flashtree.train.data import TokenSequence, read_sequences
 
 FORMAT = "flashtree-features/1"
@@ -40,9 +41,8 @@ def target_features(target, seqs: list[list[int]], layer_ids: list[int], device:
     for r, s in enumerate(seqs):
         tokens[r, : len(s)] = torch.tensor(s)
     tokens = tokens.to(device)
-    positions = torch.arange(n, device=device)[None].expand(len(seqs), -1)
     cache = target.new_cache(len(seqs), n)
-    out = target(tokens, positions, cache.view(list(range(len(seqs)))), None, tuple(layer_ids), last_only=True)
+    out = target(tokens, ForwardContext.prefill(cache, list(range(len(seqs))), n), tuple(layer_ids), last_only=True)
     return [out.features[r, : len(s)] for r, s in enumerate(seqs)]
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from flashtree.engine.prompts import encode_chat
 from flashtree.errors import FlashtreeError
 from flashtree.train.data import prompt_id, read_jsonl, repair_jsonl
 
@@ -65,8 +66,7 @@ def encode_prompt(record: dict, tokenizer, chat: bool) -> list[int]:
         raise FlashtreeError("each prompt line needs \"messages\", \"prompt\" or \"prompt_ids\"")
     if not getattr(tokenizer, "chat_template", None):
         raise FlashtreeError("--chat-template needs a target tokenizer with a chat template")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return encode_chat(tokenizer, messages)
 
 
 def done_ids(out: Path) -> set[str]:

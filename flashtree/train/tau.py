@@ -113,6 +113,7 @@ def branch_acceptance(cfg: BranchConfig) -> dict:
 
     from flashtree import LLM, SamplingParams
     from flashtree.config import DEMO_DRAFTER, DEMO_TARGET
+    from flashtree.models.context import ForwardContext
     from flashtree.models.dflash2 import DFlash2Drafter, load_drafter
     from flashtree.models.loader import load_target, parse_dtype
     from flashtree.tree import build_tree
@@ -137,14 +138,14 @@ def branch_acceptance(cfg: BranchConfig) -> dict:
         for prompt, ids in zip(prompts, ids_all):
             n = len(ids)
             tokens = torch.tensor([ids])
-            feats = target(tokens, torch.arange(n)[None], target.new_cache(1, n).view([0]), None, layers).features
+            feats = target(tokens, ForwardContext.prefill(target.new_cache(1, n), [0], n), layers).features
             dcache = drafter.new_cache(1, n + block_size)
-            drafter.add_context(dcache.view([0]), feats, [n])
+            drafter.add_context(ForwardContext.block(dcache, [0], n), feats)
             p = len(prompt)  # the first round's root: the target's first token
             while p < n - 1:
-                dcache.lengths[0] = p  # the drafter sees the features of positions < p
+                dcache.set_length(0, p)  # the drafter sees the features of positions < p
                 block = torch.tensor([[ids[p]] + [mask] * (block_size - 1)])
-                hidden = drafter(target.embed_tokens(block), dcache.view([0]))[:, 1:]
+                hidden = drafter(target.embed_tokens(block), ForwardContext.block(dcache, [0], block_size))[:, 1:]
                 if isinstance(drafter, DFlash2Drafter):
                     logits = drafter.logits(hidden, target.lm_head)
                 else:

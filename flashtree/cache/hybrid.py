@@ -1,0 +1,94 @@
+"""The cache of a hybrid (Gated DeltaNet + attention) target: attention K/V plus, per GDN layer and
+slot, the recurrent state and the conv window.
+
+A forward never changes these: each GDN layer leaves a record in its ForwardContext (see
+flashtree.models.gated_deltanet) and `commit` moves every layer at once to the state after each
+slot's last kept node. The delta-rule math lives model-side (flashtree.models.delta_rule); this
+cache imports it, and nothing here knows a module.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from flashtree.cache.kv import KVCache
+from flashtree.errors import FlashtreeError
+from flashtree.models.delta_rule import DeltaWindow, WindowEnd, advance_state
+
+if TYPE_CHECKING:
+    from flashtree.models.context import ForwardContext
+
+
+class HybridCache(KVCache):
+    """K/V for the attention layers (the parent KVCache); per GDN layer and slot the recurrent
+    state [H, dk, dv] (at least float32, whatever the model dtype) and the conv window [K-1, C]."""
+
+    def __init__(self, attention_layers: int, gdn_layers: int, num_slots: int, max_len: int, num_kv_heads: int,
+                 head_dim: int, conv: tuple[int, int], state: tuple[int, int, int], dtype: torch.dtype,
+                 device) -> None:
+        super().__init__(attention_layers, num_slots, max_len, num_kv_heads, head_dim, dtype, device)
+        self.conv = torch.zeros(gdn_layers, num_slots, *conv, dtype=dtype, device=device)
+        self.state = torch.zeros(gdn_layers, num_slots, *state, dtype=torch.promote_types(dtype, torch.float32),
+                                 device=device)
+        self.path_taps = conv[0] + 1  # a tree node's conv reads the K inputs on its path
+
+    def set_length(self, slot: int, length: int) -> None:
+        """0 starts the slot afresh. A recurrence cannot be rewound, so a shorter length than the
+        state holds is refused; a longer one (a benchmark that fakes a context's K/V) is taken as is."""
+        if length == 0:
+            self.conv[:, slot] = 0
+            self.state[:, slot] = 0
+        elif length < self.lengths[slot]:
+            raise FlashtreeError(
+                f"cannot set slot {slot} of a hybrid cache to length {length}: its recurrent state holds "
+                f"{self.lengths[slot]} tokens, and a recurrence cannot be rewound"
+            )
+        super().set_length(slot, length)
+
+    def commit(self, ctx: ForwardContext, counts: list[int], path: Tensor | None = None,
+               num_nodes: Tensor | None = None) -> None:
+        """Keep the accepted path's K/V, and move every GDN layer's state and conv window to the
+        path's last node: one gather and one advance over all layers stacked.
+
+        path [R, A] holds window node indices, root first, -1 past num_nodes [R] (both on the
+        device, from the accept walk): exactly the nodes on the last node's path, so no ancestor
+        lookups. A kept window (prefill) just takes each layer's WindowEnd.
+        """
+        super().commit(ctx, counts, path, num_nodes)
+        records = [ctx.windows[i] for i in range(self.state.shape[0])]
+        slots = ctx.slots
+        if ctx.keep_all:
+            if not all(isinstance(w, WindowEnd) for w in records):
+                raise FlashtreeError("commit of a kept window got records of a verify window")
+            self.state[:, slots] = torch.stack([w.state for w in records])
+            self.conv[:, slots] = torch.stack([w.conv for w in records])
+            return
+        if not all(isinstance(w, DeltaWindow) for w in records):
+            raise FlashtreeError("commit of a verify window got records of a kept window")
+        if path is None:  # a chain kept by counts alone (off the hot path: counts come from the host)
+            path = torch.arange(ctx.num_nodes, device=slots.device).expand(len(counts), -1)
+            num_nodes = torch.tensor(counts, device=slots.device)
+            path = path.masked_fill(path >= num_nodes[:, None], -1)
+        node = path.clamp(min=0)  # [R, A]
+        a = node.shape[1]
+        keys = torch.stack([w.keys for w in records])  # [G, R, H, N, dk]
+        deltas = torch.stack([w.deltas for w in records])  # [G, R, H, N, dv]
+        decay = torch.stack([w.decay for w in records])  # [G, R, H, N]
+        inputs = torch.stack([w.inputs for w in records])  # [G, R, N, C]
+        g, r, h = decay.shape[:3]
+        idx = node[None, :, None, :].expand(g, r, h, a)
+        path_decay = decay.gather(3, idx)  # [G, R, H, A]
+        last = path_decay.gather(3, (num_nodes - 1).view(1, r, 1, 1).expand(g, r, h, 1))[..., 0]
+        on_path = (torch.arange(a, device=node.device) < num_nodes[:, None]).to(decay.dtype)[:, None]  # [R, 1, A]
+        self.state[:, slots] = advance_state(
+            self.state[:, slots], keys.gather(3, idx[..., None].expand(-1, -1, -1, -1, keys.shape[-1])),
+            deltas.gather(3, idx[..., None].expand(-1, -1, -1, -1, deltas.shape[-1])), path_decay, last, on_path)
+        # Conv window after the last node: the last K-1 inputs of [old window ++ path inputs].
+        k1 = self.conv.shape[2]
+        seq = torch.cat([self.conv[:, slots], inputs.gather(2, node[None, :, :, None].expand(g, -1, -1, inputs.shape[-1]))],
+                        dim=2)  # [G, R, K-1+A, C]
+        take = num_nodes[:, None] + torch.arange(k1, device=node.device)  # [R, K-1]
+        self.conv[:, slots] = seq.gather(2, take[None, :, :, None].expand(g, -1, -1, seq.shape[-1]))

@@ -1,0 +1,86 @@
+"""Engine-owned KV cache: preallocated slots, a window appended per forward, compaction on commit.
+
+One slot per running request. A forward writes its whole window (all tree nodes) right after
+the slot's committed prefix; `commit` then moves the accepted nodes to the front of the window
+and advances the committed length. Nothing past the committed length is ever read unmasked,
+so rejected nodes need no clearing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from flashtree.models.context import ForwardContext
+
+
+class KVCache:
+    """K/V for every attention layer: [layers, slots, max_len, kv_heads, head_dim].
+
+    Committed lengths live on the host and have one owner: `commit` (and `set_length`, which
+    the runner calls to start a slot afresh). Models never touch them, and since they are host
+    ints, building masks and contexts never waits on the device.
+    """
+
+    path_taps = 0  # per-node ancestor taps the layers need (a hybrid cache's conv kernel)
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = [0] * num_slots
+        self.max_len = max_len
+        self.device = torch.device(device)
+
+    def write(self, layer: int, ctx: ForwardContext, k: Tensor, v: Tensor) -> None:
+        """Store the window's k/v [R, N, Hkv, D] at rows ctx.rows [R, N] of ctx's slots."""
+        rows = ctx.slots[:, None].expand_as(ctx.rows)
+        self.k[layer, rows, ctx.rows] = k
+        self.v[layer, rows, ctx.rows] = v
+
+    def read(self, layer: int, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
+        """K/V of the first ctx.key_len rows of each slot, as [R, Hkv, key_len, D]."""
+        k, v = self.k[layer], self.v[layer]
+        n = ctx.key_len
+        if ctx.batch.contiguous:
+            r = ctx.batch.size
+            k, v = k[:r, :n], v[:r, :n]
+        else:
+            k, v = k[ctx.slots, :n], v[ctx.slots, :n]
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def commit(self, ctx: ForwardContext, counts: list[int], path: Tensor | None = None,
+               num_nodes: Tensor | None = None) -> None:
+        """Keep counts[r] nodes of ctx's window per slot and advance its length to start + count.
+
+        path [R, A] (the accept walk's, root first, -1 past the count) names the kept nodes of a
+        tree window; without it, or for a chain, the kept nodes are the window's first counts[r],
+        already in place. num_nodes is counts on the device (a hybrid cache needs it).
+        """
+        if path is not None and not ctx.is_chain:
+            starts, slots = ctx.starts[:, None], ctx.slots[:, None]
+            steps = torch.arange(path.shape[1], device=path.device)
+            src = torch.where(path >= 0, path, steps) + starts
+            dst = steps + starts
+            rows = slots.expand_as(src)
+            # Gather first (a copy), then scatter: safe because path[j] >= j.
+            self.k[:, rows, dst] = self.k[:, rows, src]
+            self.v[:, rows, dst] = self.v[:, rows, src]
+        for slot, start, n in zip(ctx.batch.slot_list, ctx.batch.start_list, counts):
+            self.lengths[slot] = start + n
+
+    def set_length(self, slot: int, length: int) -> None:
+        """Declare a slot's committed length: 0 starts it afresh; benchmarks fake a context."""
+        self.lengths[slot] = length

@@ -1,0 +1,131 @@
+"""What every layer of one forward shares, built once per forward by its caller (the runner).
+
+A `SlotBatch` names the cache slots a round covers and their committed lengths, on the host
+(for bookkeeping) and on the device (for kernels). A `ForwardContext` adds one forward's window:
+where its K/V go, the tokens' positions, the attention mask, the tree (parents, depths, and the
+ancestor table and mask, each built once here however many layers read them), and `windows`,
+where recurrent layers leave what `commit` needs. Models only read a context (and fill
+`windows`); they never change cache lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from flashtree.models.mask import causal_window_mask, path_taps, tree_ancestor_mask, tree_window_mask
+from flashtree.tree import TreeSpec, ancestor_table
+
+if TYPE_CHECKING:
+    from flashtree.cache import KVCache
+
+
+@dataclass
+class SlotBatch:
+    """The slots one round covers, with each slot's committed length when the round began."""
+
+    slot_list: list[int]
+    start_list: list[int]
+    slots: Tensor  # [R] int64 on the cache's device
+    starts: Tensor  # [R] int64: committed length = the row (and position) the window starts at
+
+    @classmethod
+    def of(cls, cache: KVCache, slots: list[int]) -> SlotBatch:
+        """From the cache's current lengths, uploaded with plain copies. Off the round's hot path
+        (prefill, tests, benchmarks, training); the runner stages its rounds' copies itself."""
+        starts = [cache.lengths[s] for s in slots]
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=cache.device)  # noqa: E731
+        return cls(list(slots), starts, as_tensor(slots), as_tensor(starts))
+
+    @property
+    def size(self) -> int:
+        return len(self.slot_list)
+
+    @property
+    def max_start(self) -> int:
+        return max(self.start_list)
+
+    @property
+    def contiguous(self) -> bool:
+        """Slots are 0..R-1, so cache reads can slice instead of gather."""
+        return self.slot_list == list(range(len(self.slot_list)))
+
+
+def _batch(cache: KVCache, batch: SlotBatch | list[int]) -> SlotBatch:
+    return batch if isinstance(batch, SlotBatch) else SlotBatch.of(cache, batch)
+
+
+@dataclass
+class ForwardContext:
+    """One forward's window of N nodes per slot, written after each slot's committed prefix."""
+
+    cache: KVCache
+    batch: SlotBatch
+    positions: Tensor  # [R, N] token positions: start + depth
+    rows: Tensor  # [R, N] cache rows the window's K/V go to: start + node index
+    parents: Tensor  # [R, N] window node index of each node's parent (-1 for the first)
+    depths: Tensor  # [R, N] depth in the window (0 for the first node)
+    key_len: int  # cache rows every query spans (committed prefix + window, padded)
+    mask: Tensor | None  # [R, 1, N, key_len] True = visible; None for drafter blocks
+    is_chain: bool  # a causal chain: node i's parent is i - 1 (prefill, AR, DFlash, drafter blocks)
+    keep_all: bool = False  # prefill: commit keeps the whole window
+    ancestors: Tensor | None = None  # [R, N, D+1] ancestor table of a tree (flashtree.tree.ancestor_table)
+    tree_mask: Tensor | None = None  # [R, 1, N, N] ancestor-or-self of a tree
+    taps: Tensor | None = None  # [R, N, cache.path_taps] rows of [committed taps ++ window] on each node's path
+    windows: dict[int, Any] = field(default_factory=dict)  # recurrent layer index -> its record for commit
+
+    @property
+    def slots(self) -> Tensor:
+        return self.batch.slots
+
+    @property
+    def starts(self) -> Tensor:
+        return self.batch.starts
+
+    @property
+    def num_nodes(self) -> int:
+        return self.rows.shape[1]
+
+    @classmethod
+    def prefill(cls, cache: KVCache, batch: SlotBatch | list[int], n: int) -> ForwardContext:
+        """A causal window of n tokens that commit keeps whole (a prompt, or a chunk of one)."""
+        return cls._chain(cache, _batch(cache, batch), n, keep_all=True)
+
+    @classmethod
+    def verify(cls, cache: KVCache, batch: SlotBatch | list[int], tree: TreeSpec) -> ForwardContext:
+        """A draft tree (or chain) to verify: each node sees the prefix, its ancestors and itself."""
+        batch = _batch(cache, batch)
+        if tree.is_chain:
+            return cls._chain(cache, batch, tree.num_nodes)
+        n = tree.num_nodes
+        key_len = batch.max_start + n
+        table = ancestor_table(tree)
+        anc = tree_ancestor_mask(table, tree.depths)
+        taps = path_taps(table, tree.depths, cache.path_taps) if cache.path_taps else None
+        rows = batch.starts[:, None] + torch.arange(n, device=batch.starts.device)
+        return cls(cache, batch, positions=batch.starts[:, None] + tree.depths, rows=rows, parents=tree.parents,
+                   depths=tree.depths, key_len=key_len, mask=tree_window_mask(batch.starts, anc, key_len),
+                   is_chain=False, ancestors=table, tree_mask=anc[:, None], taps=taps)
+
+    @classmethod
+    def block(cls, cache: KVCache, batch: SlotBatch | list[int], n: int) -> ForwardContext:
+        """n drafter rows after each slot's context: a block to draft (it attends the context,
+        key_len = max start, and masks itself) or newly committed features to append."""
+        batch = _batch(cache, batch)
+        ctx = cls._chain(cache, batch, n, with_mask=False)
+        ctx.key_len = batch.max_start
+        return ctx
+
+    @classmethod
+    def _chain(cls, cache: KVCache, batch: SlotBatch, n: int, keep_all: bool = False,
+               with_mask: bool = True) -> ForwardContext:
+        idx = torch.arange(n, device=batch.starts.device)
+        rows = batch.starts[:, None] + idx
+        r = batch.size
+        key_len = batch.max_start + n
+        mask = causal_window_mask(batch.starts, n, key_len) if with_mask else None
+        return cls(cache, batch, positions=rows, rows=rows, parents=(idx - 1).expand(r, n), depths=idx.expand(r, n),
+                   key_len=key_len, mask=mask, is_chain=True, keep_all=keep_all)

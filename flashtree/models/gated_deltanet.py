@@ -1,0 +1,90 @@
+"""Gated DeltaNet (GDN), Qwen3.5's linear-attention layer: a causal depthwise conv over the qkv
+projection, then the gated delta rule (flashtree.models.delta_rule) over a [dk, dv] state per head.
+
+In a draft tree each node convolves and recurs along its own ancestor path. The forward reads the
+slot's committed conv window and state from the cache but never writes them: it leaves a record in
+ctx.windows (a DeltaWindow for a verify window, a WindowEnd for a kept prefill window) and the
+cache's commit sets the state and conv window from it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from flashtree.models.context import ForwardContext
+from flashtree.models.delta_rule import DeltaWindow, WindowEnd, delta_rule_chunked, delta_rule_window
+from flashtree.models.qwen3_5_args import Qwen35Args
+from flashtree.models.qwen3_5_norms import GatedRMSNorm
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, args: Qwen35Args, index: int) -> None:
+        super().__init__()
+        a = args
+        self.index = index  # which GDN layer: row of the cache's recurrent state
+        self.num_k_heads, self.num_v_heads = a.linear_num_key_heads, a.linear_num_value_heads
+        self.dk, self.dv = a.linear_key_head_dim, a.linear_value_head_dim
+        self.key_dim, self.value_dim = self.num_k_heads * self.dk, self.num_v_heads * self.dv
+        self.kernel = a.linear_conv_kernel
+        conv_dim = a.conv_dim
+        self.in_proj_qkv = nn.Linear(a.hidden_size, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(a.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(a.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(a.hidden_size, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.kernel, groups=conv_dim, bias=False, padding=self.kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.dv, a.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, a.hidden_size, bias=False)
+
+    def conv(self, u: Tensor, window: Tensor, ctx: ForwardContext) -> Tensor:
+        """silu(causal depthwise conv) of inputs u [R, N, C] after the committed window [R, K-1, C]."""
+        ext = torch.cat([window, u], dim=1)  # [R, K-1+N, C]
+        w = self.conv1d.weight[:, 0]  # [C, K]
+        if ctx.taps is None:  # a chain: each node's taps are the K inputs ending at it
+            out = F.conv1d(ext.transpose(1, 2).to(w.dtype), w[:, None], groups=w.shape[0])
+            return F.silu(out).transpose(1, 2).to(u.dtype)
+        r, n, k = ctx.taps.shape  # a tree: the K inputs on the node's path (ctx builds the index once)
+        taps = ext.gather(1, ctx.taps.reshape(r, n * k, 1).expand(-1, -1, ext.shape[2]))
+        out = (taps.view(r, n, k, -1) * w.t()).sum(2)
+        return F.silu(out).to(u.dtype)
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        r, n, _ = x.shape
+        cache = ctx.cache
+        slots = ctx.slots
+        u = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).view(r, n, self.num_v_heads, self.dv)
+        f = cache.state.dtype  # the recurrence runs in float32 (float64 for a float64 model)
+        beta = self.in_proj_b(x).sigmoid().to(f)
+        g = -self.A_log.to(f).exp() * F.softplus(self.in_proj_a(x).to(f) + self.dt_bias)
+
+        window = cache.conv[self.index, slots]  # [R, K-1, C]
+        mixed = self.conv(u, window, ctx)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(r, n, self.num_k_heads, self.dk).transpose(1, 2).to(f)
+        k = k.reshape(r, n, self.num_k_heads, self.dk).transpose(1, 2).to(f)
+        v = v.reshape(r, n, self.num_v_heads, self.dv).transpose(1, 2).to(f)
+        if self.num_v_heads != self.num_k_heads:  # each q/k head serves consecutive value heads
+            rep = self.num_v_heads // self.num_k_heads
+            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+        q = l2norm(q) * self.dk**-0.5
+        k = l2norm(k)
+        beta, g = beta.transpose(1, 2), g.transpose(1, 2)  # [R, H, N]
+
+        state = cache.state[self.index, slots]  # [R, H, dk, dv]
+        if ctx.keep_all:
+            out, end = delta_rule_chunked(q, k, v, g, beta, state)
+            ctx.windows[self.index] = WindowEnd(end, torch.cat([window, u], dim=1)[:, -(self.kernel - 1):])
+        else:
+            out, deltas, c = delta_rule_window(q, k, v, g, beta, state, ctx.tree_mask)
+            ctx.windows[self.index] = DeltaWindow(u, k, deltas, c)
+
+        out = self.norm(out.transpose(1, 2).to(x.dtype), z)
+        return self.out_proj(out.reshape(r, n, self.value_dim))
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)

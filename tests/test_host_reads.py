@@ -1,0 +1,142 @@
+"""A round reads the device exactly once (the accepted counts and tokens), for every method, a fixed
+and an auto budget, dense and hybrid targets, greedy and sampled requests together.
+
+On the CPU every tensor is a host tensor, so the test counts the calls that would read a device
+tensor back (tolist, item, bool/int/float/index conversions, numpy, cpu) and the ops that sync
+implicitly on CUDA (nonzero, unique, masked_select, boolean-mask indexing), made while
+`ModelRunner.step` runs. The tree builder's CPU-only early stop reads host scalars on purpose (it
+is off on other devices), so calls made from flashtree/tree/ are not counted. Where CUDA exists,
+the same rounds also run under torch.cuda.set_sync_debug_mode("error").
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashtree import EngineConfig, LLMEngine, SamplingParams
+from flashtree.engine.runner import ModelRunner
+from tiny import make_drafter, make_target
+
+TREE_DIR = str(Path(__file__).resolve().parents[1] / "flashtree" / "tree")
+READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
+IMPLICIT_SYNCS = ("nonzero", "unique", "masked_select")
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    from test_qwen3_5 import make_qwen35
+
+    root = tmp_path_factory.mktemp("reads")
+    dense = make_target(root / "dense", vocab=32, logit_scale=3.0)
+    hybrid, _ = make_qwen35(root / "hybrid", logit_scale=3.0)
+    text = json.loads((hybrid / "config.json").read_text())
+    return {
+        "dense": (dense, make_drafter(root / "dd", target_layers=4, vocab=32, block_size=6)),
+        "hybrid": (hybrid, make_drafter(root / "hd", target_layers=text["num_hidden_layers"],
+                                        vocab=text["vocab_size"], hidden=text["hidden_size"], block_size=6)),
+    }
+
+
+class ReadCounter:
+    """Counts host reads and implicit syncs made outside flashtree/tree/ while `active`."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.active = False
+        self.calls: list[str] = []
+        for name in READS + IMPLICIT_SYNCS:
+            self._wrap(monkeypatch, torch.Tensor, name)
+        for name in IMPLICIT_SYNCS:
+            self._wrap(monkeypatch, torch, name)
+        self._wrap(monkeypatch, torch, "tensor", label="torch.tensor (a host-to-device copy)")
+        getitem = torch.Tensor.__getitem__
+
+        def masked_getitem(t, index):
+            if self.active and _has_bool_index(index) and self._outside_tree():
+                self.calls.append("boolean-mask indexing")
+            return getitem(t, index)
+
+        monkeypatch.setattr(torch.Tensor, "__getitem__", masked_getitem)
+
+    def _wrap(self, monkeypatch, owner, name: str, label: str | None = None) -> None:
+        original = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            if self.active and self._outside_tree():
+                self.calls.append(label or name)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+    @staticmethod
+    def _outside_tree() -> bool:
+        return not sys._getframe(2).f_code.co_filename.startswith(TREE_DIR)
+
+
+def _has_bool_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+@pytest.mark.parametrize("method,budget", [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", "auto")])
+def test_a_round_reads_the_device_once(pairs, monkeypatch, kind, method, budget):
+    target, drafter = pairs[kind]
+    engine = LLMEngine(EngineConfig(target=str(target), drafter=None if method == "ar" else str(drafter),
+                                    method=method, budget=budget, max_budget=16, device="cpu", max_batch=3,
+                                    max_model_len=96))
+    engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.add_request([7, 8], SamplingParams(temperature=0.8, top_k=10, top_p=0.9, seed=3, max_tokens=30,
+                                              ignore_eos=True))
+    engine.step()  # admission and prefill (not a round's business), then the first round
+
+    counter = ReadCounter(monkeypatch)
+    counter.active = True  # the counter itself sees reads and implicit syncs
+    torch.ones(2).sum().item()
+    torch.ones(3)[torch.ones(3, dtype=torch.bool)]
+    counter.active = False
+    assert counter.calls == ["item", "boolean-mask indexing"]
+    per_round: list[list[str]] = []
+    original_step = ModelRunner.step
+
+    def counted_step(self, reqs):
+        counter.calls = []
+        counter.active = True
+        try:
+            return original_step(self, reqs)
+        finally:
+            counter.active = False
+            per_round.append(counter.calls)
+
+    monkeypatch.setattr(ModelRunner, "step", counted_step)
+    for _ in range(3):
+        engine.step()
+    assert len(per_round) == 3
+    for calls in per_round:
+        assert calls == ["tolist"], calls
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method,budget", [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", "auto")])
+def test_cuda_round_has_no_implicit_sync(pairs, method, budget):
+    """The one read is the round's end; anything else that synchronises raises."""
+    target, drafter = pairs["dense"]
+    engine = LLMEngine(EngineConfig(target=str(target), drafter=None if method == "ar" else str(drafter),
+                                    method=method, budget=budget, max_budget=16, device="cuda", dtype="float32",
+                                    max_batch=3, max_model_len=96, stage_timing=False))
+    engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    running = sorted(engine.scheduler.running, key=lambda r: r.slot)
+    original = torch.Tensor.tolist
+    try:
+        torch.Tensor.tolist = lambda t: (torch.cuda.set_sync_debug_mode(0), original(t))[1]
+        for _ in range(3):
+            torch.cuda.set_sync_debug_mode("error")
+            engine.runner.step(running)
+    finally:
+        torch.Tensor.tolist = original
+        torch.cuda.set_sync_debug_mode(0)
