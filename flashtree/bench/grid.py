@@ -38,6 +38,7 @@ class BenchSpec:
     drafter: str | None = None
     device: str | None = None
     dtype: str | None = None
+    use_selector: bool | None = None  # DFlash2 drafters: False benches the marginal tree
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     budgets: list[int | str] = field(default_factory=lambda: list(DEFAULT_BUDGETS))  # ints, or "auto"
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
@@ -110,7 +111,7 @@ class BenchResult:
 def _engine_config(spec: BenchSpec, method: str, budget: int | str | None, max_model_len: int | None) -> EngineConfig:
     return EngineConfig(target=spec.target, drafter=spec.drafter, method=method, budget=budget or 64,
                         device=spec.device, dtype=spec.dtype, max_batch=1, max_model_len=max_model_len,
-                        stage_timing=spec.stage_sync)
+                        stage_timing=spec.stage_sync, use_selector=spec.use_selector)
 
 
 def encode_prompt(engine: LLMEngine, prompt: Prompt) -> list[int]:
