@@ -75,12 +75,14 @@ class DFlash2Args(DFlashArgs):
     final_logit_softcapping: float | None = None
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "DFlash2Args":
-        base = DFlashArgs.from_hf(cfg)
-        dcfg = cfg.get("dflash_config") or {}
+    def from_hf(cls, config) -> "DFlash2Args":
+        """From the drafter's config as transformers reads it; the DFlash2 keys ride along in
+        dflash_config (or, as some exports write them, at the top level)."""
+        base = DFlashArgs.from_hf(config)
+        dcfg = getattr(config, "dflash_config", None) or {}
 
         def value(name, default=None):  # dflash_config wins, then the top level
-            return dcfg.get(name, cfg.get(name, default))
+            return dcfg.get(name, getattr(config, name, default))
 
         missing = [k for k in SELECTOR_KEYS if value(k) is None]
         if missing:
@@ -235,30 +237,23 @@ def top_candidates(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
 # ---------------------------------------------------------------------------- checkpoints
 
 
-def architecture(path: Path) -> str:
-    from flashtree.models.loader import read_config
-
-    archs = read_config(path).get("architectures") or []
-    return archs[0] if archs else ""
-
-
 def load_drafter(name_or_path, target: nn.Module, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
     """Load a DFlash-1 or DFlash2 checkpoint (by its `architectures`) and check that it fits `target`."""
     from flashtree.models import dflash
-    from flashtree.models.loader import default_dtype, load_weights, read_config, read_weights, resolve
+    from flashtree.models.loader import default_dtype, load_checkpoint, meta_device, read_config, resolve
 
     path = resolve(name_or_path)
-    cfg = read_config(path)
-    if ARCHITECTURE not in (cfg.get("architectures") or []):
+    config = read_config(path)
+    if ARCHITECTURE not in (getattr(config, "architectures", None) or []):
         return dflash.load_drafter(path, target, dtype, device)
-    args = DFlash2Args.from_hf(cfg)
+    args = DFlash2Args.from_hf(config)
     if args.vocab_size != target.vocab_size:
         raise FlashtreeError(f"DFlash2 drafter vocab_size {args.vocab_size} != target vocab size {target.vocab_size}; "
                              "its codebooks index the target's tokens: use a drafter trained for this target")
-    with default_dtype(dtype), torch.device(device):
+    with meta_device(), default_dtype(dtype):
         drafter = DFlash2Drafter(args)
     drafter.check_target(target)
-    load_weights(drafter, read_weights(path))
+    load_checkpoint(drafter, path, torch.device(device))
     drafter.source_dir = path
     return drafter.eval()
 
@@ -284,9 +279,11 @@ def save_drafter(drafter: DFlashDrafter, out_dir) -> None:
         return dflash.save_drafter(drafter, out_dir)
     from safetensors.torch import save_file
 
+    from flashtree.models.loader import hub_state_dict
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in hub_state_dict(drafter).items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = dflash2_config(drafter.args, drafter.fc.weight.dtype)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

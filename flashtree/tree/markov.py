@@ -56,14 +56,16 @@ def _pairs(width: int, k: int, depth: int, parents: int, device: torch.device) -
 
 
 def build_markov_tree(root_tokens: Tensor, cand_tokens: Tensor, trans_logp: Tensor, budget: int | Tensor, *,
-                      max_budget: int | None = None) -> TreeSpec:
+                      max_budget: int | None = None, prune: bool | None = None) -> TreeSpec:
     """The top-budget[r] prefixes of each row's Markov draft, as a TreeSpec like build_tree's.
 
     root_tokens [R]; cand_tokens [R, D, K] distinct tokens per depth; trans_logp [R, D, P, K] with
     P = K (row p: the parent is candidate p of the previous depth; depth 1 reads row 0) or P = 1
     (no dependence on the parent); budget: drafted nodes per row, int or [R]. `max_budget` bounds
-    a tensor budget without reading it (no host sync). Output: root, then nodes by (depth, rank in
-    level), N = 1 + max budget, short rows padded.
+    a tensor budget without reading it (no host sync). `prune` (default: on the CPU only) reads
+    scores on the host to stop at the first depth that cannot place a node; off, the build makes
+    no host read. Output: root, then nodes by (depth, rank in level), N = 1 + max budget, short
+    rows padded.
     """
     R, D, K = cand_tokens.shape
     dev = cand_tokens.device
@@ -76,7 +78,7 @@ def build_markov_tree(root_tokens: Tensor, cand_tokens: Tensor, trans_logp: Tens
     score[:, 0] = 0.0
     cand_of = torch.zeros(R, bmax, dtype=torch.int64, device=dev)  # each level member's candidate index
     scores, parent_ranks, cands = [], [], []
-    prune = dev.type == "cpu"
+    prune = dev.type == "cpu" if prune is None else prune
     best_next = trans.flatten(2).amax(-1).tolist() if prune else None
     floor = [float("-inf")] * R  # per row: the worst score among the best bmax found so far
     members = 1  # a bound on the real members of the previous level
