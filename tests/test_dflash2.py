@@ -324,3 +324,37 @@ def test_dflash2_sampling_matches_target_distribution(tmp_path, method, budget):
     assert chi_square_p(counts, dist) > 1e-3
     wrong = exact_distribution(target, SamplingParams(temperature=1.0, top_k=2))
     assert chi_square_p(counts, {k: v * 0.98 + 0.02 / len(wrong) for k, v in wrong.items()}) < 1e-6  # power
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", 1), ("ddtree", 16), ("ddtree", "auto")])
+def test_a_dflash2_round_reads_the_device_once(tmp_path, monkeypatch, method, budget):
+    """The selector's candidates, conditionals and the Markov tree/chain add no host read to a
+    round (the CPU-only early stop inside flashtree/tree/ aside, as for build_tree)."""
+    from flashtree import EngineConfig, LLMEngine
+    from flashtree.engine.runner import ModelRunner
+    from test_host_reads import ReadCounter
+
+    target = make_target(tmp_path / "t", vocab=32, logit_scale=3.0)
+    drafter = make_dflash2_drafter(tmp_path / "d", target_layers=4, vocab=32, block_size=6, top_k=5)
+    engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), method=method, budget=budget,
+                                    max_budget=16, device="cpu", max_batch=3, max_model_len=96))
+    assert engine.runner.use_selector
+    engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.add_request([7, 8], SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True))
+    engine.step()
+    counter = ReadCounter(monkeypatch)
+    per_round: list[list[str]] = []
+    original_step = ModelRunner.step
+
+    def counted_step(self, reqs):
+        counter.calls, counter.active = [], True
+        try:
+            return original_step(self, reqs)
+        finally:
+            counter.active = False
+            per_round.append(counter.calls)
+
+    monkeypatch.setattr(ModelRunner, "step", counted_step)
+    for _ in range(3):
+        engine.step()
+    assert per_round == [["tolist"]] * 3

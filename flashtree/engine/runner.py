@@ -25,7 +25,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
 from flashtree.models.dflash2 import DFlash2Drafter
-from flashtree.sampler import SamplingBatch, pick
+from flashtree.sampler import SamplingBatch, SamplingStage, pick
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
 from flashtree.tree.budget import expected_accepts, truncate
 from flashtree.tree.markov import build_markov_chain, build_markov_tree
@@ -87,6 +87,7 @@ class ModelRunner:
         self.cache = target.new_cache(config.max_batch, cache_len)
         self.draft_cache = drafter.new_cache(config.max_batch, cache_len) if drafter is not None else None
         self.inputs = InputStage(config.max_batch, device)
+        self.sampling_inputs = SamplingStage(config.max_batch, device)
         sync = config.stage_timing if config.stage_timing is not None else device.type != "cuda"
         self.clock = StageClock(device, sync)
         self.auto = None
@@ -116,7 +117,7 @@ class ModelRunner:
             dctx = ForwardContext.block(self.draft_cache, batch, n)
             self.drafter.add_context(dctx, out.features)
             self.draft_cache.commit(dctx, [n])
-        sampling = SamplingBatch.build([req.params], [req.seed], self.device)
+        sampling = SamplingBatch.build([req.params], [req.seed], self.device, self.sampling_inputs)
         return int(pick(out.logits[:, -1:], sampling, torch.full((1, 1), n, device=self.device))[0, 0])
 
     @torch.inference_mode()
@@ -125,7 +126,7 @@ class ModelRunner:
         self.clock.seconds = {}
         slots = [r.slot for r in reqs]
         batch, roots = self.inputs.upload(slots, [self.cache.lengths[s] for s in slots], [r.bonus for r in reqs])
-        sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device)
+        sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device, self.sampling_inputs)
         spec, plan = self.draft(batch, roots, reqs)
         with self.clock.stage("verify"):
             ctx = ForwardContext.verify(self.cache, batch, spec)

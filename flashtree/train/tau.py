@@ -126,9 +126,10 @@ def branch_acceptance(cfg: BranchConfig) -> dict:
     prompts = []
     for path in cfg.prompts:
         prompts += [encode_prompt(r, ar.tokenizer, False) for _, r in read_jsonl(path)][: cfg.limit]
-    outs = ar.generate(prompts, SamplingParams(max_tokens=cfg.max_tokens))
     target = load_target(target_path, dtype, device)
     drafter = load_drafter(drafter_path, target, dtype, device)
+    # A block's worth past max_tokens: the last rounds' walks look ahead as the engine's do.
+    outs = ar.generate(prompts, SamplingParams(max_tokens=cfg.max_tokens + drafter.block_size))
     markov = isinstance(drafter, DFlash2Drafter) and cfg.use_selector is not False
     counts = {"rounds": 0, "emitted": 0, "spine": 0, "spine_next": 0, "sibling": 0, "sibling_next": 0}
     ids_all = [p + o.token_ids for p, o in zip(prompts, outs)]
@@ -141,8 +142,8 @@ def branch_acceptance(cfg: BranchConfig) -> dict:
             feats = target(tokens, ForwardContext.prefill(target.new_cache(1, n), [0], n), layers).features
             dcache = drafter.new_cache(1, n + block_size)
             drafter.add_context(ForwardContext.block(dcache, [0], n), feats)
-            p = len(prompt)  # the first round's root: the target's first token
-            while p < n - 1:
+            p, emitted = len(prompt), 1  # the first round's root: the target's first token
+            while emitted < cfg.max_tokens and p < n - 1:  # the engine's rounds, until max_tokens
                 dcache.set_length(0, p)  # the drafter sees the features of positions < p
                 block = torch.tensor([[ids[p]] + [mask] * (block_size - 1)])
                 hidden = drafter(target.embed_tokens(block), ForwardContext.block(dcache, [0], block_size))[:, 1:]
@@ -171,7 +172,7 @@ def branch_acceptance(cfg: BranchConfig) -> dict:
                     counts[key + "_next"] += d + 1 < len(path)
                 counts["rounds"] += 1
                 counts["emitted"] += depth + 1
-                p += depth + 1
+                p, emitted = p + depth + 1, emitted + depth + 1
     counts["tau"] = counts["emitted"] / max(1, counts["rounds"])
     counts["spine_rate"] = counts["spine_next"] / max(1, counts["spine"])
     counts["sibling_rate"] = counts["sibling_next"] / max(1, counts["sibling"])
