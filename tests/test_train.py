@@ -495,7 +495,7 @@ def test_cli_registers_train_subcommands() -> None:
     from flashtree.cli import build_parser
 
     parser = build_parser()
-    for cmd in ("regenerate", "extract", "train", "eval", "branch", "demo"):
+    for cmd in ("regenerate", "extract", "train", "eval", "compare", "branch", "demo"):
         with pytest.raises(SystemExit) as e:
             parser.parse_args(["train", cmd, "--help"])
         assert e.value.code == 0
@@ -515,3 +515,20 @@ def test_branch_acceptance_replays_the_engine(counting, tmp_path: Path) -> None:
                               methods=["ddtree"], budgets=[6], max_tokens=20, dtype="float32"), verbose=False)
     assert res["tau"] == pytest.approx(eng["ddtree@6"]["all"])
     assert res["spine"] + res["sibling"] == res["emitted"] - res["rounds"]
+
+
+def test_compare_interleaves_variants(counting, tmp_path: Path) -> None:
+    """compare runs ar and drafters on the same prompts; greedy tau of a variant equals eval's."""
+    from flashtree.train.tau import CompareConfig, compare
+
+    held = write_prompts(tmp_path / "held.jsonl", 5, seed=3)
+    drafter = make_drafter(tmp_path / "d", target_layers=2, vocab=VOCAB, hidden=32, layers=1, block_size=4,
+                           layer_ids=[0, 1], mask_token_id=MASK)
+    res = compare(CompareConfig(variants=["ar", str(drafter)], target=str(counting["target"]), prompts=[str(held)],
+                                budget=6, max_tokens=16, max_batch=2, dtype="float32"), verbose=False)
+    eng = evaluate(EvalConfig(target=str(counting["target"]), drafter=str(drafter), prompts=[str(held)],
+                              methods=["ddtree"], budgets=[6], max_tokens=16, dtype="float32"), verbose=False)
+    assert res["ar"]["all"] == 1.0 and res[str(drafter)]["all"] == pytest.approx(eng["ddtree@6"]["all"])
+    assert res["ar"]["tok_s"] > 0 and res[str(drafter)]["tok_s"] > 0
+    with pytest.raises(FlashtreeError, match="only option"):
+        compare(CompareConfig(variants=[f"{drafter}:fast"], target=str(counting["target"]), prompts=[str(held)]))

@@ -1,4 +1,4 @@
-"""`flashtree train regenerate | extract | train | eval | branch | demo`."""
+"""`flashtree train regenerate | extract | train | eval | compare | branch | demo`."""
 
 from __future__ import annotations
 
@@ -66,6 +66,20 @@ def _eval(a: argparse.Namespace) -> None:
                      chat_template=a.chat_template, limit=a.limit, max_batch=a.max_batch, device=a.device,
                      dtype=a.dtype, use_selector=False if a.no_selector else None, **kw)
     results = evaluate(cfg)
+    print(table(results))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def _compare(a: argparse.Namespace) -> None:
+    from flashtree.train.tau import CompareConfig, compare, table
+
+    kw = {"prompts": a.prompts} if a.prompts else {}
+    cfg = CompareConfig(variants=a.variants.split(","), target=a.target, method=a.method, budget=a.budget,
+                        max_tokens=a.max_tokens, temperature=a.temperature, limit=a.limit, max_batch=a.max_batch,
+                        dtype=a.dtype, **kw)
+    results = compare(cfg)
     print(table(results))
     if a.json:
         with open(a.json, "w") as f:
@@ -192,6 +206,20 @@ def register(subparsers) -> None:
     p.add_argument("--no-selector", action="store_true", help="DFlash2 drafters: measure the marginal tree")
     p.add_argument("--json", help="also write the results here")
     p.set_defaults(func=_eval)
+
+    p = sub.add_parser("compare", help="drafters (and ar) interleaved on the same prompts: tau and tok/s")
+    p.add_argument("variants", help='comma-separated: "ar", a drafter dir, or DIR:no-selector')
+    p.add_argument("--target", help="HF target dir or hub id (default: the embedded demo target)")
+    p.add_argument("--dtype", help="compute dtype (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--prompts", action="append", help="prompt JSONL (repeatable; default: the bench suites)")
+    p.add_argument("--method", default="ddtree")
+    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--limit", type=int, help="prompts per file")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--json", help="also write the results here")
+    p.set_defaults(func=_compare)
 
     p = sub.add_parser("branch", help="greedy ddtree's acceptance one level below an accepted top-1 child vs sibling")
     _model_args(p, drafter=True)

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flashtree.errors import FlashtreeError
 from flashtree.train.data import read_jsonl
 from flashtree.train.responses import encode_prompt
 
@@ -82,6 +83,69 @@ def table(results: dict) -> str:
     for name, row in results.items():
         lines.append(f"| {name} | " + " | ".join(f"{row[s]:.2f}" for s in suites) + " |")
     return "\n".join(lines)
+
+
+@dataclass
+class CompareConfig:
+    """Several drafters (or ar) on the same prompts, interleaved chunk by chunk, so a shared
+    machine's load falls on all of them alike."""
+
+    variants: list[str]  # "ar", "PATH" or "PATH:no-selector"
+    target: str | None = None
+    prompts: list[str] = field(default_factory=lambda: [str(PROMPT_DIR / "code.jsonl"), str(PROMPT_DIR / "prose.jsonl")])
+    method: str = "ddtree"
+    budget: int = 16
+    max_tokens: int = 128
+    temperature: float = 0.0
+    limit: int | None = None
+    max_batch: int = 8
+    dtype: str | None = None
+
+
+def compare(cfg: CompareConfig, verbose: bool = True) -> dict:
+    """{variant: {suite: tau, "all": tau, "tok_s": output tokens per second}}; each chunk of
+    max_batch prompts runs every variant once, in an order that rotates from chunk to chunk."""
+    from flashtree import LLM, SamplingParams
+
+    llms = {}
+    for v in cfg.variants:
+        if v == "ar":
+            llms[v] = LLM(target=cfg.target, method="ar", dtype=cfg.dtype, max_batch=cfg.max_batch)
+            continue
+        path, _, option = v.partition(":")
+        if option not in ("", "no-selector"):
+            raise FlashtreeError(f"variant {v!r}: the only option is ':no-selector'")
+        llms[v] = LLM(target=cfg.target, drafter=path, method=cfg.method, budget=cfg.budget, dtype=cfg.dtype,
+                      max_batch=cfg.max_batch, use_selector=False if option else None)
+    stats = {v: {"rounds": 0, "emitted": 0, "tokens": 0, "seconds": 0.0} for v in llms}
+    suites = {v: {} for v in llms}
+    turn = 0
+    for path in cfg.prompts:
+        tok = next(iter(llms.values())).tokenizer
+        prompts = [encode_prompt(r, tok, False) for _, r in read_jsonl(path)][: cfg.limit]
+        per = {v: [0, 0] for v in llms}
+        for c in range(0, len(prompts), cfg.max_batch):
+            chunk = prompts[c : c + cfg.max_batch]
+            order = list(llms)[turn % len(llms):] + list(llms)[: turn % len(llms)]
+            turn += 1
+            for v in order:
+                params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=c)
+                t0 = time.perf_counter()
+                outs = llms[v].generate(chunk, params)
+                st = stats[v]
+                st["seconds"] += time.perf_counter() - t0
+                st["tokens"] += sum(len(o.token_ids) for o in outs)
+                r, e = sum(o.stats.rounds for o in outs), sum(sum(o.stats.accept_lengths) for o in outs)
+                st["rounds"], st["emitted"] = st["rounds"] + r, st["emitted"] + e
+                per[v][0], per[v][1] = per[v][0] + r, per[v][1] + e
+        for v in llms:
+            suites[v][Path(path).stem] = per[v][1] / max(1, per[v][0])
+    results = {}
+    for v, st in stats.items():
+        results[v] = suites[v] | {"all": st["emitted"] / max(1, st["rounds"]), "tok_s": st["tokens"] / st["seconds"]}
+        if verbose:
+            print(f"{v}: " + " ".join(f"{k}={x:.2f}" for k, x in results[v].items()), flush=True)
+    return results
 
 
 @dataclass
