@@ -135,6 +135,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int,
                    help="torch CPU threads (default: what torch picks, OMP_NUM_THREADS included, capped at "
                         "the physical cores; use 1 on a shared machine)")
+    p.add_argument("--no-selector", action="store_true",
+                   help="with a DFlash2 drafter, build the tree from its marginals, not its candidate selector")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -147,7 +149,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(target=args.target, drafter=args.drafter, method=args.method, budget=args.budget,
-                device=args.device, dtype=args.dtype, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                device=args.device, dtype=args.dtype, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                use_selector=False if getattr(args, "no_selector", False) else None)
 
 
 def read_prompt(text: str) -> str:

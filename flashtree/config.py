@@ -30,6 +30,7 @@ class EngineConfig:
     max_prefill_tokens: int = 512  # prompt tokens prefilled per engine step (a long prompt goes in chunks)
     prefix_cache: bool = True  # reuse the K/V of a prompt prefix some cache slot already holds
     tensor_parallel_size: int = 1  # ranks the target is split over (flashtree starts the N - 1 workers)
+    use_selector: bool | None = None  # DFlash2 drafters: None = use the selector; False = marginal trees (build_tree)
 
     @property
     def tree_budget(self) -> int:

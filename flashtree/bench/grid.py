@@ -39,6 +39,7 @@ class BenchSpec:
     device: str | None = None
     dtype: str | None = None
     tensor_parallel_size: int = 1
+    use_selector: bool | None = None  # DFlash2 drafters: False benches the marginal tree
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     budgets: list[int | str] = field(default_factory=lambda: list(DEFAULT_BUDGETS))  # ints, or "auto"
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
@@ -113,7 +114,7 @@ def _engine_config(spec: BenchSpec, method: str, budget: int | str | None, max_m
     return EngineConfig(target=spec.target, drafter=spec.drafter, method=method, budget=budget or 64,
                         device=spec.device, dtype=spec.dtype, max_batch=1, max_model_len=max_model_len,
                         stage_timing=spec.stage_sync, tensor_parallel_size=spec.tensor_parallel_size,
-                        prefix_cache=False)
+                        prefix_cache=False, use_selector=spec.use_selector)
 
 
 def encode_prompt(engine: LLMEngine, prompt: Prompt) -> list[int]:

@@ -19,7 +19,7 @@ from flashtree.engine.token_text import TokenText
 from flashtree.engine.sequence import (STAGES, Request, RequestGroup, Status, TokenLogprob, derived_seed,
                                        new_request_id)
 from flashtree.errors import FlashtreeError, PromptTooLong
-from flashtree.models.dflash import load_drafter
+from flashtree.models.dflash2 import load_drafter  # DFlash-1 or DFlash2, by architectures
 from flashtree.models.loader import eos_token_ids, load_target, parse_dtype
 from flashtree.sampler import fresh_seed
 from flashtree.sampling import SamplingParams

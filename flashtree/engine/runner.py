@@ -23,11 +23,14 @@ from flashtree.cache import RecurrentState
 from flashtree.engine.budget import AutoBudget
 from flashtree.engine.logprobs import pack, unpack
 from flashtree.engine.sequence import Request, TokenLogprob
+from flashtree.errors import FlashtreeError
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
+from flashtree.models.dflash2 import DFlash2Drafter
 from flashtree.sampler import SamplingBatch, SamplingStage, pick, processed_logprobs
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
 from flashtree.tree.budget import expected_accepts, truncate
+from flashtree.tree.markov import build_markov_chain, build_markov_tree
 
 
 class StageClock:
@@ -80,6 +83,7 @@ class ModelRunner:
         self.method = config.method
         self.block_size = drafter.block_size if drafter is not None else 1
         self.feature_layers = tuple(drafter.args.target_layer_ids) if drafter is not None else ()
+        self.use_selector = selector_on(drafter, config.use_selector)
         self.max_window = 1 + (config.tree_budget if self.method == "ddtree" else self.block_size - 1)
         cache_len = config.max_model_len + self.max_window
         self.cache = target.new_cache(config.max_batch, cache_len)
@@ -216,18 +220,26 @@ class ModelRunner:
             block = torch.full((batch.size, self.block_size), self.drafter.args.mask_token_id, device=self.device)
             block[:, 0] = roots
             hidden = self.drafter(self.target.embed_tokens(block), ForwardContext.block(self.draft_cache, batch,
-                                                                                        self.block_size))
-            logits = self.target.lm_head(hidden[:, 1:])
+                                                                                        self.block_size))[:, 1:]
+            if isinstance(self.drafter, DFlash2Drafter):
+                logits = self.drafter.logits(hidden, self.target.lm_head)
+            else:
+                logits = self.target.lm_head(hidden)
+            markov = self.drafter.transitions(hidden, logits, roots) if self.use_selector else None
         with self.clock.stage("tree"):
             if self.method == "dflash":
-                return build_chain(roots, logits), None
+                return (build_markov_chain(roots, *markov) if markov else build_chain(roots, logits)), None
             cap = self.round_budget(batch.size)
+
+            def tree(budget: int) -> TreeSpec:  # exact top-budget under the selector's draft, or the marginals'
+                return build_markov_tree(roots, *markov, budget) if markov else build_tree(roots, logits, budget)
+
             if self.auto is None:
-                return build_tree(roots, logits, cap), None
+                return tree(cap), None
             # The full-size tree's expected acceptance, read with this round's results, sizes the
             # next round; this round uses the size the previous round's draft chose.
             plan = AutoPlan(self.auto, cap, self.auto_budget(reqs, cap))
-            full = build_tree(roots, logits, cap)
+            full = tree(cap)
             e = expected_accepts(full)  # [R, cap]: column b-1 is the top-b tree
             plan.expected = torch.cat([e[:, self.auto_columns[: len(plan.candidates)]],
                                        e[:, plan.budget - 1 : plan.budget]], dim=1)
@@ -298,6 +310,15 @@ class AutoPlan:
         self.candidates = [b for b in auto.candidates if b <= cap]
         self.used = len(self.candidates)
         self.expected: Tensor | None = None  # [R, len(candidates) + 1]
+
+
+def selector_on(drafter: DFlashDrafter | None, wanted: bool | None) -> bool:
+    """Draft with the candidate selector (a Markov draft) when the drafter has one, unless turned off."""
+    has = isinstance(drafter, DFlash2Drafter)
+    if wanted and not has:
+        raise FlashtreeError("use_selector=True needs a DFlash2 drafter (architectures DFlash2DraftModel); "
+                             "this drafter has no candidate selector")
+    return has and wanted is not False
 
 
 def gather_nodes(x: Tensor, path: Tensor) -> Tensor:
