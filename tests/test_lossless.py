@@ -126,22 +126,25 @@ def test_budget_1024_block_16(models, reference):
 def test_incremental_detokenization_equals_full_decode():
     """Text built round by round (any chunking, characters split across tokens) == one decode."""
     from flashtree.config import DEMO_TARGET
-    from flashtree.engine.llm_engine import LLMEngine, load_tokenizer
+    from flashtree.engine.llm_engine import load_tokenizer
+    from flashtree.engine.output import OutputProcessor
     from flashtree.engine.sequence import Request
 
     tok = load_tokenizer(DEMO_TARGET)
     if tok is None:
         pytest.skip("the demo tokenizer is not built yet")
-    engine = LLMEngine.__new__(LLMEngine)
-    engine.tokenizer = tok
+    output = OutputProcessor(tok, set(), 1 << 30)
     text = "déjà vu — 中文字符 and emoji 🙂 in code: x = 'ü'\n"
     ids = tok.encode(text, add_special_tokens=False)
     for chunk in (1, 2, 3, 7):
         req = Request([1], SamplingParams())
         pieces = []
         for i in range(0, len(ids), chunk):
-            req.output_ids.extend(ids[i : i + chunk])
-            piece = engine._detokenize(req, final=i + chunk >= len(ids))
+            new = ids[i : i + chunk]
+            piece, offsets = output.detokenize(req, new, final=i + chunk >= len(ids))
+            req.output_ids.extend(new)
+            if offsets is not None:
+                req.prefix_offset, req.read_offset = offsets
             assert "\ufffd" not in piece
             pieces.append(piece)
         assert "".join(pieces) == text
@@ -165,27 +168,13 @@ def test_static_shapes_match_ar(models, reference, method, budget):
         assert max(max(o.stats.accept_lengths) for o in outs) >= 3
 
 
-def test_prefill_chunks_are_power_of_two_and_any_chunking_is_lossless(models, reference):
-    """prefill_chunk can run a prompt in any chunks (here 1 token, then 5, then the rest):
-    the slot ends up as after one prefill, and decoding continues exactly as AR."""
+def test_static_prefill_chunks_are_powers_of_two():
+    """With static shapes a prompt chunk runs as power-of-two pieces, largest first, each <= 512."""
     from flashtree.engine.shapes import prefill_chunks
 
     assert prefill_chunks(0, 300, static=True) == [(0, 256), (256, 288), (288, 296), (296, 300)]
+    assert prefill_chunks(40, 1100, static=True)[:2] == [(40, 552), (552, 1064)]
     assert prefill_chunks(0, 1100, static=False) == [(0, 512), (512, 1024), (1024, 1100)]
-    target, drafters = models
-    llm = LLM(str(target), str(drafters[8]), method="ddtree", budget=16, device="cpu", max_batch=1,
-              max_model_len=256)
-    engine, prompt = llm.engine, PROMPTS[2]
-    req = engine.add_request(prompt, SamplingParams(max_tokens=48, ignore_eos=True))
-    engine.scheduler.admit()
-    for start, end in ((0, 1), (1, 6), (6, len(prompt))):
-        first = engine.runner.prefill_chunk(req, start, end)
-        assert (first is None) == (end < len(prompt))
-    assert engine.runner.cache.lengths[req.slot] == len(prompt) == engine.runner.draft_cache.lengths[req.slot]
-    engine._emit(req, [int(first)])
-    while not req.finished:
-        engine.step()
-    assert req.output_ids == reference[2]
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from flashtree.errors import FlashtreeError
 from flashtree.tree import (
     TreeSpec,
     accept_walk,
@@ -15,6 +16,7 @@ from flashtree.tree import (
     build_tree_reference,
     chain_spec,
 )
+from flashtree.tree.walk import _next_node
 
 
 def brute_force(logits: torch.Tensor) -> tuple[list[tuple[int, ...]], dict]:
@@ -261,7 +263,7 @@ def test_accept_walk_matches_loop():
             for r in range(R):
                 path, bonus = walk_oracle(spec, picks, r)
                 n = len(path)
-                assert int(res.num_nodes[r]) == n and int(res.bonus[r]) == bonus
+                assert int(res.num_nodes[r]) == n and int(res.tokens[r, n - 1]) == bonus
                 assert res.path[r].tolist() == path + [-1] * (width - n)
                 emitted = [int(spec.tokens[r, i]) for i in path[1:]] + [bonus]
                 assert res.tokens[r].tolist() == emitted + [-1] * (width - n)
@@ -286,3 +288,153 @@ def test_cpu_depth_pruning_stays_exact():
                     got.add(tuple(reversed(path)))
                 assert got == set(build_tree_reference(0, logits[r], budget))
                 assert int(spec.depths[r, :n].max()) <= spec.max_depth
+
+
+def old_next_node(spec: TreeSpec, picks: torch.Tensor) -> torch.Tensor:
+    """The walk's child lookup before it became a scatter: an [R, N, N] match, kept as a reference."""
+    R, N = spec.tokens.shape
+    idx = torch.arange(N)
+    match = (
+        (spec.parents[:, None, :] == idx[:, None])
+        & (spec.tokens[:, None, :] == picks[:, :, None])
+        & (spec.tokens[:, None, :] >= 0)
+    )
+    return torch.where(match.any(-1), match.to(torch.uint8).argmax(-1), -1)
+
+
+def random_tree_spec(rng: random.Random, R: int, N: int, bound: str) -> TreeSpec:
+    """R random trees of up to N nodes over tokens 0..5 (distinct among siblings, <= 4 children),
+    padded with the builder's convention; max_depth is None, exact, or loose."""
+    tokens = torch.full((R, N), -1)
+    parents = torch.zeros(R, N, dtype=torch.long)
+    depths = torch.ones(R, N, dtype=torch.long)
+    sizes = []
+    for r in range(R):
+        n = rng.randint(1, N)
+        tokens[r, 0], parents[r, 0], depths[r, 0] = rng.randrange(6), -1, 0
+        used: dict[int, list[int]] = {0: []}
+        for i in range(1, n):
+            p = rng.choice([q for q in used if len(used[q]) < 4])
+            tok = rng.choice([t for t in range(6) if t not in used[p]])
+            used[p].append(tok)
+            used[i] = []
+            tokens[r, i], parents[r, i], depths[r, i] = tok, p, depths[r, p] + 1
+        sizes.append(n)
+    deepest = int(depths.masked_fill(torch.arange(N) >= torch.tensor(sizes)[:, None], 0).max())
+    max_depth = {"none": None, "exact": deepest, "loose": deepest + 2}[bound]
+    return TreeSpec(tokens, parents, depths, torch.tensor(sizes), max_depth=max_depth)
+
+
+def test_accept_walk_randomized_against_oracle_and_old_walk():
+    """On hundreds of random batches (random trees with padding rows and any depth bound, built trees,
+    chains) with random, -1 and tree-following picks, accept_walk equals the Python oracle walk, and
+    its child lookup equals the old [R, N, N] match bit for bit."""
+    rng = random.Random(41)
+    g = torch.Generator().manual_seed(41)
+    bounds = ["none", "exact", "loose"]
+    specs = [random_tree_spec(rng, rng.randint(1, 5), rng.randint(1, 24), bounds[i % 3]) for i in range(150)]
+    for trial in range(30):
+        R = rng.randint(1, 4)
+        budgets = torch.randint(1, 40, (R,), generator=g)
+        specs.append(build_tree(torch.randint(0, 3, (R,), generator=g), torch.randn(R, 5, 3, generator=g) * 2, budgets))
+        specs.append(chain_spec(torch.randint(0, 3, (R, rng.randint(1, 12)), generator=g)))
+    for spec in specs:
+        R, N = spec.tokens.shape
+        follow = torch.randint(0, 6, (R, N), generator=g)
+        for r in range(R):  # picks that follow the tree from the root to a random node
+            node = rng.randrange(int(spec.sizes[r]))
+            while node > 0:
+                follow[r, spec.parents[r, node]] = spec.tokens[r, node]
+                node = int(spec.parents[r, node])
+        for picks in (torch.randint(0, 6, (R, N), generator=g), torch.full((R, N), -1), follow):
+            general = TreeSpec(spec.tokens, spec.parents, spec.depths, spec.sizes)
+            if not spec.is_chain:
+                assert torch.equal(_next_node(spec, picks), old_next_node(spec, picks))
+            else:  # the chain fast path agrees with the general lookup
+                assert torch.equal(_next_node(spec, picks), old_next_node(general, picks))
+            res = accept_walk(spec, picks)
+            width = spec.depth_bound + 1
+            for r in range(R):
+                path, bonus = walk_oracle(spec, picks, r)
+                n = len(path)
+                assert int(res.num_nodes[r]) == n
+                assert res.path[r].tolist() == path + [-1] * (width - n)
+                emitted = [int(spec.tokens[r, i]) for i in path[1:]] + [bonus]
+                assert res.tokens[r].tolist() == emitted + [-1] * (width - n)
+
+
+def test_max_budget_and_prune_keywords():
+    """max_budget = the budget's max gives the same tree as no bound; a larger one only pads more; a
+    smaller one caps rows' budgets. prune=True and prune=False give the same tree tensors (the
+    pruned max_depth is a tighter bound that still covers every depth)."""
+    g = torch.Generator().manual_seed(51)
+    logits = torch.randn(4, 8, 30, generator=g) * 3
+    logits[2, :, 0] = 12.0  # one deep row, so pruning has something to skip in the others
+    roots = torch.tensor([0, 1, 2, 3])
+    budgets = torch.tensor([5, 40, 17, 1])
+    base = build_tree(roots, logits, budgets)
+    fields = ("tokens", "parents", "depths", "sizes", "scores")
+    same = build_tree(roots, logits, budgets, max_budget=40)
+    assert all(torch.equal(getattr(same, f), getattr(base, f)) for f in fields)
+    wide = build_tree(roots, logits, budgets, max_budget=50)
+    assert wide.num_nodes == 51 and torch.equal(wide.sizes, base.sizes)
+    for f in ("tokens", "parents", "depths", "scores"):
+        assert torch.equal(getattr(wide, f)[:, :41], getattr(base, f))
+    assert wide.tokens[:, 41:].eq(-1).all() and wide.scores[:, 41:].eq(float("-inf")).all()
+    capped = build_tree(roots, logits, budgets, max_budget=10)
+    want = build_tree(roots, logits, budgets.clamp(max=10))
+    assert all(torch.equal(getattr(capped, f), getattr(want, f)) for f in fields)
+    for prune in (True, False):
+        for b in (budgets, 23):
+            got, ref = build_tree(roots, logits, b, prune=prune), build_tree(roots, logits, b, prune=not prune)
+            assert all(torch.equal(getattr(got, f), getattr(ref, f)) for f in fields)
+    pruned, full = build_tree(roots, logits, 23, prune=True), build_tree(roots, logits, 23, prune=False)
+    assert full.max_depth == 8 and int(pruned.depths.max()) <= pruned.max_depth <= full.max_depth
+
+
+def test_no_host_read_without_prune(monkeypatch):
+    """With prune=False and max_budget, build_tree and accept_walk read nothing back to the host: every
+    tensor-to-Python conversion and nonzero() is made to fail, and both still run."""
+    g = torch.Generator().manual_seed(61)
+    logits = torch.randn(3, 6, 500, generator=g)
+    logits[0, :, 7] = 0.0  # a tie-prone row: the static tie pass runs on every row anyway
+    budgets = torch.tensor([9, 30, 2])
+    build_tree(torch.tensor([1, 2, 3]), logits, budgets, max_budget=30, prune=False)  # warm the pair cache
+
+    def refuse(*_args, **_kw):
+        raise AssertionError("host read")
+
+    for name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    spec = build_tree(torch.tensor([1, 2, 3]), logits, budgets, max_budget=30, prune=False)
+    accept_walk(spec, torch.randint(0, 500, spec.tokens.shape, generator=g))
+    monkeypatch.undo()
+    assert spec.sizes.tolist() == [10, 31, 3]
+
+
+def test_bad_budget_is_a_clear_error():
+    """A budget below one node, as an int or as max_budget, is a FlashtreeError, not a traceback."""
+    logits = torch.randn(1, 3, 5)
+    for kw in ({"budget": 0}, {"budget": torch.tensor([3]), "max_budget": 0}):
+        with pytest.raises(FlashtreeError, match="at least 1"):
+            build_tree(torch.tensor([0]), logits, **kw)
+
+
+def test_depth_pruning_never_changes_the_tree():
+    """Over many random batches (diffuse, peaked, bf16-tied, decaying confidence), the pruned CPU build
+    equals the unpruned one tensor for tensor, and pruning does skip depths in most of them."""
+    g = torch.Generator().manual_seed(71)
+    skipped = 0
+    for trial in range(60):
+        R, D, V = 3, 10, 64
+        logits = torch.randn(R, D, V, generator=g) * [0.5, 2.0, 4.0][trial % 3]
+        logits[:, :, 0] += torch.linspace(float(trial % 7) * 2, 0, D)  # a favourite that fades with depth
+        if trial % 4 == 0:
+            logits = logits.bfloat16().float()
+        budgets = torch.randint(1, V + 1, (R,), generator=g) // (1 + trial % 2)
+        pruned = build_tree(torch.zeros(R, dtype=torch.long), logits, budgets, prune=True)
+        full = build_tree(torch.zeros(R, dtype=torch.long), logits, budgets, prune=False)
+        for f in ("tokens", "parents", "depths", "sizes", "scores"):
+            assert torch.equal(getattr(pruned, f), getattr(full, f)), (trial, f)
+        skipped += pruned.max_depth < full.max_depth
+    assert skipped >= 30

@@ -21,17 +21,22 @@ import torch
 from torch import Tensor
 
 from flashtree.config import EngineConfig
+from flashtree.cache import RecurrentState
 from flashtree.engine.budget import AutoBudget
 from flashtree.engine.compiled import Compiler
-from flashtree.engine.sequence import Request
+from flashtree.engine.logprobs import pack, unpack
+from flashtree.engine.sequence import Request, TokenLogprob
 from flashtree.engine.shapes import batch_bucket, budget_bucket, key_bucket, prefill_chunks
 from flashtree.errors import FlashtreeError
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
+from flashtree.models.dflash2 import DFlash2Drafter
 from flashtree.models.transformer import ForwardOutput
-from flashtree.sampling import SamplingParams, pick_tokens
+from flashtree.sampler import SamplingBatch, SamplingStage, pick, processed_logprobs
+from flashtree.sampling import SamplingParams
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
 from flashtree.tree.budget import expected_accepts, truncate
+from flashtree.tree.markov import build_markov_chain, build_markov_tree
 
 
 class StageClock:
@@ -85,7 +90,8 @@ class ModelRunner:
     With static shapes (on with compile, or EngineConfig.static_shapes) every forward is padded to
     a bucket (flashtree.engine.shapes): padded batch rows use a dummy slot past max_batch whose
     results are dropped. With compile, the target forward (prefill chunks and verify windows), the
-    drafter forward, the tree build and the accept walk run through torch.compile.
+    drafter forward and context append, the tree build and the accept walk run through
+    torch.compile (flashtree.engine.compiled).
     """
 
     def __init__(self, config: EngineConfig, target, drafter: DFlashDrafter | None, device: torch.device) -> None:
@@ -97,6 +103,7 @@ class ModelRunner:
         self.static = config.static_shapes if config.static_shapes is not None else config.compile
         self.block_size = drafter.block_size if drafter is not None else 1
         self.feature_layers = tuple(drafter.args.target_layer_ids) if drafter is not None else ()
+        self.use_selector = selector_on(drafter, config.use_selector)
         self.max_window = 1 + (config.tree_budget if self.method == "ddtree" else self.block_size - 1)
         cache_len = config.max_model_len + self.max_window
         self.max_rows = batch_bucket(config.max_batch) if self.static else config.max_batch
@@ -105,6 +112,7 @@ class ModelRunner:
         self.cache = target.new_cache(slots, cache_len)
         self.draft_cache = drafter.new_cache(slots, cache_len) if drafter is not None else None
         self.inputs = InputStage(self.max_rows, device)
+        self.sampling_inputs = SamplingStage(self.max_rows, device)
         self.compiler = Compiler(device, config.compile)
         self.compiler.keep([t for c in (self.cache, self.draft_cache) if c is not None
                             for t in vars(c).values() if isinstance(t, Tensor) and t.numel()])
@@ -112,9 +120,10 @@ class ModelRunner:
         self.run_verify = self.compiler(self._verify)
         self.run_draft = self.compiler(self._draft)
         self.run_append = self.compiler(self._append)
-        # The builder's CPU early stop reads host scalars, which splits compiled code into dozens of
-        # graphs; compile it where that stop is off (CUDA) or can be switched off.
-        self.run_tree = self.compiler(_build_tree) if _BUILD_PRUNES or device.type != "cpu" else _build_tree
+        # Compiled, the builder runs without its CPU early stop (host reads would split the graph);
+        # a builder without that switch stays eager on the CPU.
+        compile_tree = config.compile and (_BUILD_PRUNES or device.type != "cpu")
+        self.run_tree = self.compiler(_build_tree) if compile_tree else build_tree
         self.run_walk = self.compiler(accept_walk)
         sync = config.stage_timing if config.stage_timing is not None else device.type != "cuda"
         self.clock = StageClock(device, sync, self.compiler)
@@ -124,6 +133,8 @@ class ModelRunner:
             self.auto_columns = torch.tensor(self.auto.candidates, device=device) - 1
         # budget="auto" sizes each round from the previous round's draft, read with that round's results.
         self.expected: dict[str, list[float]] = {}  # request id -> expected accepts at each auto candidate
+        self.prompt_logits: dict[int, Tensor] = {}  # slot -> its complete prompt's last logits, until start_samples
+        self.saved_states: dict[int, RecurrentState] = {}  # prefix reuse on a hybrid target: key -> state
 
     @property
     def compile_seconds(self) -> float:
@@ -143,84 +154,139 @@ class ModelRunner:
         keys = batch.max_start + n
         return key_bucket(keys, self.cache.max_len) if self.static else keys
 
-    # ---- prefill ------------------------------------------------------------------------------
+    # ---- slots and prefill ----------------------------------------------------------------
 
-    @torch.inference_mode()
-    def prefill(self, req: Request) -> int:
-        """Fill a fresh slot with the prompt, chunk by chunk; returns the target's first token."""
-        for start, end in prefill_chunks(0, len(req.prompt_ids), self.static):
-            first = self.prefill_chunk(req, start, end)
-        return int(first)
-
-    @torch.inference_mode()
-    def prefill_chunk(self, req: Request, start: int, end: int) -> Tensor | None:
-        """Run prompt tokens [start, end) after the slot's committed `start` tokens and commit them
-        (start == 0 starts the slot afresh). Returns the first bonus token, on the device, when the
-        chunk ends the prompt, else None. Chunks of any size work; prefill() uses the bucketed ones."""
-        slot = req.slot
-        if start == 0:
+    def seat(self, slot: int, source: int | None, length: int, state_key: int | None = None) -> None:
+        """Start a slot empty (source None), or holding source's first `length` committed rows in
+        the target and drafter caches (a shared prefix; a hybrid target also takes the recurrent
+        state saved after them under `state_key`, unless source holds exactly `length` tokens)."""
+        if source is None:
             self.cache.set_length(slot, 0)
             if self.drafter is not None:
                 self.draft_cache.set_length(slot, 0)
-        if self.cache.lengths[slot] != start:
-            raise FlashtreeError(f"prefill chunk starts at {start} but slot {slot} holds {self.cache.lengths[slot]} "
-                                 "tokens; run a request's chunks in order")
+            return
+        state = self.saved_states[state_key] if state_key is not None else None
+        self.cache.copy_prefix(source, slot, length, state)
+        if self.drafter is not None:
+            self.draft_cache.copy_prefix(source, slot, length)
+
+    def save_state(self, slot: int, key: int) -> None:
+        """Keep a hybrid target's recurrent state at the slot's committed length under `key` (for
+        prefix reuse). It stays here, on each rank's own device, until drop_state(key)."""
+        self.saved_states[key] = self.cache.save_state(slot)
+
+    def drop_state(self, key: int) -> None:
+        self.saved_states.pop(key, None)
+
+    @torch.inference_mode()
+    def prefill(self, req: Request, end: int) -> None:
+        """Append prompt tokens [num_computed, end) to the slot, target and drafter caches (a
+        chunk: it attends to what the slot holds, and a hybrid target's recurrence continues
+        from there). Once the prompt is complete, its last logits wait for start_samples. A
+        request that asked for prompt logprobs gets those of the chunk's next tokens. With static
+        shapes the chunk runs as power-of-two pieces (flashtree.engine.shapes.prefill_chunks)."""
+        for start, stop in prefill_chunks(req.num_computed, end, self.static):
+            self.prefill_piece(req, start, stop)
+
+    def prefill_piece(self, req: Request, start: int, end: int) -> None:
         n = end - start
         ids = torch.tensor([req.prompt_ids[start:end]], device=self.device)
-        batch = SlotBatch.of(self.cache, [slot])
-        ctx, out = self.run_prefill(ids, batch, self.key_len(batch, n))
+        batch = SlotBatch.of(self.cache, [req.slot])
+        scored = req.prompt_logprobs is not None
+        ctx, out = self.run_prefill(ids, batch, self.key_len(batch, n), scored)
         self.cache.commit(ctx, [n])
         if self.drafter is not None:
             dctx = self.run_append(batch, out.features, None, self.key_len(batch, 0))
             self.draft_cache.commit(dctx, [n])
-        if end < len(req.prompt_ids):
-            return None
-        return pick_tokens(out.logits, [req.params], [req.generator])[0, -1]
+        if scored:
+            self.score_prompt(req, out.logits, start, end)
+        if end == len(req.prompt_ids):
+            self.prompt_logits[req.slot] = out.logits[:, -1:]
 
-    def _prefill(self, ids: Tensor, batch: SlotBatch, key_len: int) -> tuple[ForwardContext, ForwardOutput]:
+    def _prefill(self, ids: Tensor, batch: SlotBatch, key_len: int, all_logits: bool
+                 ) -> tuple[ForwardContext, ForwardOutput]:
         ctx = ForwardContext.prefill(self.cache, batch, ids.shape[1], key_len)
-        return ctx, self.target(ids, ctx, self.feature_layers, last_only=True)
+        return ctx, self.target(ids, ctx, self.feature_layers, last_only=not all_logits)
 
-    # ---- the round ----------------------------------------------------------------------------
+    def score_prompt(self, req: Request, logits: Tensor, start: int, end: int) -> None:
+        """Prompt logprobs: logits [1, n, V] at positions start.. score prompt tokens start+1..
+        under the target's plain distribution (log-softmax): no prompt token was sampled, so no
+        temperature or filter applies to it."""
+        count = min(end, len(req.prompt_ids) - 1) - start
+        if count <= 0:
+            return
+        k = req.params.prompt_logprobs
+        tokens = req.prompt_ids[start + 1:start + 1 + count]
+        lp = torch.log_softmax(logits[:, :count].to(torch.promote_types(logits.dtype, torch.float32)), -1)
+        packed = pack(lp, torch.tensor([tokens], device=self.device), k)
+        req.prompt_logprobs.extend(unpack(packed.flatten().tolist(), tokens, k, k))
 
     @torch.inference_mode()
-    def step(self, reqs: list[Request]) -> tuple[list[list[int]], dict[str, float]]:
-        """One round for every request in `reqs`; returns each one's emitted tokens."""
+    def start_samples(self, reqs: list[Request]) -> tuple[list[int], list[list[TokenLogprob] | None]]:
+        """reqs[0] has just prefilled its prompt: copy it into the other samples' slots (a group's,
+        seated with it), then each draws its first token from the prompt's last logits (one
+        read). Returns the tokens, and the logprob entry of those samples that keep logprobs."""
+        first = reqs[0]
+        n = len(first.prompt_ids)
+        for r in reqs[1:]:
+            self.seat(r.slot, first.slot, n)
+        x = self.prompt_logits.pop(first.slot).expand(len(reqs), -1, -1)
+        sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device,
+                                       self.sampling_inputs)
+        picks = pick(x, sampling, torch.full((len(reqs), 1), n, device=self.device))
+        k = max((r.params.logprobs or 0 for r in reqs if r.logprobs is not None), default=None)
+        if k is None:
+            return picks[:, 0].tolist(), [None] * len(reqs)
+        packed = pack(processed_logprobs(x, sampling), picks, k)
+        rows = torch.cat([picks.double(), packed.flatten(1)], dim=1).tolist()
+        tokens = [int(row[0]) for row in rows]
+        return tokens, [unpack(row[1:], [t], r.params.logprobs or 0, k) if r.logprobs is not None else None
+                        for r, row, t in zip(reqs, rows, tokens)]
+
+    @torch.inference_mode()
+    def step(self, reqs: list[Request]) -> tuple[list[list[int]], dict[str, float], list[list[TokenLogprob] | None]]:
+        """One round for every request in `reqs`: each one's emitted tokens, the stage times, and
+        the emitted tokens' logprobs for requests that keep them (else None)."""
         self.clock.seconds = {}
         slots = [r.slot for r in reqs]
         starts = [self.cache.lengths[s] for s in slots]
         roots = [r.bonus for r in reqs]
-        params, generators = [r.params for r in reqs], [r.generator for r in reqs]
-        if self.static:  # pad the batch to its bucket with rows on the dummy slot
+        params, seeds = [r.params for r in reqs], [r.seed for r in reqs]
+        if self.static:  # pad the batch to its bucket with greedy rows on the dummy slot
             pad = batch_bucket(len(reqs)) - len(reqs)
             slots, starts, roots = slots + [self.dummy_slot] * pad, starts + [0] * pad, roots + [0] * pad
-            params, generators = params + [GREEDY] * pad, generators + [None] * pad
+            params, seeds = params + [GREEDY] * pad, seeds + [0] * pad
         batch, root_tokens = self.inputs.upload(slots, starts, roots)
+        sampling = SamplingBatch.build(params, seeds, self.device, self.sampling_inputs)
         spec, plan = self.draft(batch, root_tokens, reqs)
         with self.clock.stage("verify"):
             ctx, out = self.run_verify(batch, spec, self.key_len(batch, spec.num_nodes))
-            picks = pick_tokens(out.logits, params, generators)
+            picks = pick(out.logits, sampling, ctx.positions + 1, spec.depth_bound + 1)
         with self.clock.stage("commit"):
             walk = self.run_walk(spec, picks)
-            counts, emitted = self.read_round(walk.num_nodes, walk.tokens, reqs, plan)
+            scores = self.round_logprobs(out.logits, walk.path, walk.tokens, reqs, sampling)
+            counts, emitted, logprobs = self.read_round(walk.num_nodes, walk.tokens, reqs, plan, scores)
             self.cache.commit(ctx, counts, walk.path, walk.num_nodes)
         if self.drafter is not None:
             # Projecting the accepted nodes' features into drafter K/V is drafter model work.
             with self.clock.stage("draft"):
                 dctx = self.run_append(batch, out.features, walk.path, self.key_len(batch, 0))
                 self.draft_cache.commit(dctx, counts)
-        return emitted, dict(self.clock.seconds)
+        return emitted, dict(self.clock.seconds), logprobs
 
     def _verify(self, batch: SlotBatch, spec: TreeSpec, key_len: int) -> tuple[ForwardContext, ForwardOutput]:
         ctx = ForwardContext.verify(self.cache, batch, spec, key_len)
         return ctx, self.target(spec.tokens.clamp(min=0), ctx, self.feature_layers)
 
-    def _draft(self, batch: SlotBatch, roots: Tensor, key_len: int) -> Tensor:
-        """Draft logits [R, L-1, V] of the block [root, MASK x (L-1)] after each slot's context."""
+    def _draft(self, batch: SlotBatch, roots: Tensor, key_len: int) -> tuple[Tensor, Tensor]:
+        """Drafter hidden states and draft logits [R, L-1, *] of the block [root, MASK x (L-1)]."""
         block = torch.full((roots.shape[0], self.block_size), self.drafter.args.mask_token_id, device=roots.device)
         block[:, 0] = roots
         ctx = ForwardContext.block(self.draft_cache, batch, self.block_size, key_len)
-        return self.target.lm_head(self.drafter(self.target.embed_tokens(block), ctx)[:, 1:])
+        hidden = self.drafter(self.target.embed_tokens(block), ctx)[:, 1:]
+        if isinstance(self.drafter, DFlash2Drafter):
+            return hidden, self.drafter.logits(hidden, self.target.lm_head)
+        return hidden, self.target.lm_head(hidden)
 
     def _append(self, batch: SlotBatch, features: Tensor, path: Tensor | None, key_len: int) -> ForwardContext:
         """Write drafter context K/V for the window's nodes on `path` (all of them when None)."""
@@ -234,29 +300,31 @@ class ModelRunner:
         if self.drafter is None:
             return chain_spec(roots[:, None]), None
         with self.clock.stage("draft"):
-            logits = self.run_draft(batch, roots, self.key_len(batch, 0))
+            hidden, logits = self.run_draft(batch, roots, self.key_len(batch, 0))
+            markov = self.drafter.transitions(hidden, logits, roots) if self.use_selector else None
         with self.clock.stage("tree"):
             if self.method == "dflash":
-                return build_chain(roots, logits), None
-            cap = self.round_budget(batch.size)  # padded rows count against max_round_tokens too
+                return (build_markov_chain(roots, *markov) if markov else build_chain(roots, logits)), None
+            cap = self.round_budget(batch.size)
+
+            def tree(budget: int) -> TreeSpec:  # exact top-budget under the selector's draft, or the marginals'
+                spec = build_markov_tree(roots, *markov, budget) if markov else self.run_tree(roots, logits, budget)
+                if self.static:
+                    # The builder may stop early (fewer depths than drafted); the static bound keeps
+                    # mask and walk shapes fixed. Any bound >= the true depth gives the same result.
+                    spec = dataclasses.replace(spec, max_depth=min(logits.shape[1], budget))
+                return spec
+
             if self.auto is None:
-                return self.build(roots, logits, cap), None
+                return tree(cap), None
             # The full-size tree's expected acceptance, read with this round's results, sizes the
             # next round; this round uses the size the previous round's draft chose.
             plan = AutoPlan(self.auto, cap, self.auto_budget(reqs, cap))
-            full = self.build(roots, logits, cap)
+            full = tree(cap)
             e = expected_accepts(full)  # [R, cap]: column b-1 is the top-b tree
             plan.expected = torch.cat([e[:, self.auto_columns[: len(plan.candidates)]],
                                        e[:, plan.budget - 1 : plan.budget]], dim=1)
             return truncate(full, plan.budget), plan
-
-    def build(self, roots: Tensor, logits: Tensor, budget: int) -> TreeSpec:
-        spec = self.run_tree(roots, logits, budget)
-        if self.static:
-            # The builder may stop early (fewer depths than drafted); the static bound keeps the
-            # mask and walk shapes fixed. Any bound >= the true depth gives the same result.
-            spec = dataclasses.replace(spec, max_depth=min(logits.shape[1], budget))
-        return spec
 
     def auto_budget(self, reqs: list[Request], cap: int) -> int:
         """This round's budget from the expectations the previous round read (cap before any)."""
@@ -268,26 +336,48 @@ class ModelRunner:
         gains = [mean[c] * len(reqs) for c in range(columns)]  # requests without a record count as the mean
         return self.auto.choose_gains(gains, len(reqs), cap)
 
-    def read_round(self, num_nodes: Tensor, tokens: Tensor, reqs: list[Request], plan: AutoPlan | None
-                   ) -> tuple[list[int], list[list[int]]]:
-        """The round's one device-to-host read: accepted counts and tokens (and auto's expectations)
-        of the real rows (padding rows of a batch bucket are not read)."""
+    def round_logprobs(self, logits: Tensor, path: Tensor, tokens: Tensor, reqs: list[Request],
+                       sampling: SamplingBatch) -> Tensor | None:
+        """[R, A * (1 + 2k)]: the emitted tokens' logprobs and top-k at the accepted path's nodes
+        (whose verify logits gave those tokens), when some request keeps logprobs."""
+        keep = [r for r in reqs if r.logprobs is not None]
+        if not keep:
+            return None
+        k = max(r.params.logprobs or 0 for r in keep)
+        return pack(processed_logprobs(gather_nodes(logits, path), sampling), tokens, k).flatten(1)
+
+    def read_round(self, num_nodes: Tensor, tokens: Tensor, reqs: list[Request], plan: AutoPlan | None,
+                   scores: Tensor | None = None) -> tuple[list[int], list[list[int]], list[list[TokenLogprob] | None]]:
+        """The round's one device-to-host read: accepted counts and tokens, and riding along in
+        float64 (which holds every token id exactly) auto's expectations and the logprobs. Only
+        the real rows are read (padding rows of a batch bucket follow them)."""
         r = len(reqs)
         packed = torch.cat([num_nodes[:r, None], tokens[:r]], dim=1)
-        if plan is None:
+        extra = [t[:r] for t in (plan.expected if plan is not None else None, scores) if t is not None]
+        if not extra:
             host = packed.tolist()
+            rest = [[] for _ in host]
         else:
-            # float64 holds every token id exactly, so the expectations ride along in the same read.
-            host = torch.cat([packed.double(), plan.expected[:r].double()], dim=1).tolist()
-            host = [[int(x) for x in row[: packed.shape[1]]] + [row[packed.shape[1]:]] for row in host]
-            self.observe(plan, host, reqs)
+            rows = torch.cat([packed.double(), *(t.double() for t in extra)], dim=1).tolist()
+            w = packed.shape[1]
+            host = [[int(x) for x in row[:w]] for row in rows]
+            rest = [row[w:] for row in rows]
         counts = [row[0] for row in host]
-        return counts, [row[1 : 1 + row[0]] for row in host]
+        emitted = [row[1 : 1 + row[0]] for row in host]
+        if plan is not None:
+            e = plan.expected.shape[1]
+            self.observe(plan, counts, [row[:e] for row in rest], reqs)
+            rest = [row[e:] for row in rest]
+        logprobs: list[list[TokenLogprob] | None] = [None] * len(reqs)
+        if scores is not None:
+            width = (scores.shape[1] // tokens.shape[1] - 1) // 2
+            logprobs = [unpack(row, toks, r.params.logprobs or 0, width) if r.logprobs is not None else None
+                        for r, row, toks in zip(reqs, rest, emitted)]
+        return counts, emitted, logprobs
 
-    def observe(self, plan: AutoPlan, host: list[list], reqs: list[Request]) -> None:
-        expected = [row[-1] for row in host]
+    def observe(self, plan: AutoPlan, counts: list[int], expected: list[list[float]], reqs: list[Request]) -> None:
         predicted = sum(e[plan.used] for e in expected)
-        self.auto.observe(predicted, sum(row[0] for row in host) - len(host))
+        self.auto.observe(predicted, sum(counts) - len(counts))
         live = {r.request_id for r in reqs}
         self.expected = {k: v for k, v in self.expected.items() if k in live}
         for req, e in zip(reqs, expected):
@@ -305,7 +395,16 @@ class AutoPlan:
         self.expected: Tensor | None = None  # [R, len(candidates) + 1]
 
 
-GREEDY = SamplingParams()  # what padded batch rows "sample" with: argmax, no generator
+def selector_on(drafter: DFlashDrafter | None, wanted: bool | None) -> bool:
+    """Draft with the candidate selector (a Markov draft) when the drafter has one, unless turned off."""
+    has = isinstance(drafter, DFlash2Drafter)
+    if wanted and not has:
+        raise FlashtreeError("use_selector=True needs a DFlash2 drafter (architectures DFlash2DraftModel); "
+                             "this drafter has no candidate selector")
+    return has and wanted is not False
+
+
+GREEDY = SamplingParams()  # what padded batch rows "sample" with: argmax
 
 
 def _build_tree(roots: Tensor, logits: Tensor, budget: int) -> TreeSpec:

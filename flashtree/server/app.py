@@ -1,15 +1,16 @@
 """The FastAPI app: OpenAI-compatible completions and chat over one engine thread.
 
-Handlers validate, turn the body into SamplingParams, and hand the request to the
-EngineLoop; they then only wait on asyncio objects, so the event loop never blocks on a
-model forward and many clients can stream while one thread batches their trees.
+Handlers validate, refuse absurd sizes at once (a cheap count of characters and messages),
+tokenize in a small worker pool, and hand token ids to the EngineLoop; they then only wait
+on asyncio objects. So neither the event loop nor the engine thread ever waits on a
+tokenizer or a chat template, and many clients can stream while one thread batches their
+trees.
 """
 
-from __future__ import annotations
-
 import asyncio
-import inspect
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -21,18 +22,21 @@ from flashtree import __version__
 from flashtree.config import DEMO_TARGET
 from flashtree.engine import LLMEngine
 from flashtree.server.errors import APIError, install_error_handlers
-from flashtree.server.loop import EngineLoop, EngineStopped, RequestStream, Update
+from flashtree.server.limits import BodyLimit
+from flashtree.server.loop import EngineLoop, RequestStream
 from flashtree.server.metrics import ServerMetrics
 from flashtree.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                        CompletionResponse, ErrorResponse, ModelCard, ModelList, SamplingFields,
-                                       new_id)
-from flashtree.server.sse import DONE, SSEResponse, safe_end, sse
+                                       bounded, new_id)
+from flashtree.server.responses import ChatShape, CompletionShape, Shape, events, final_choices, usage
+from flashtree.server.sse import SSEResponse
 
 # Far above any prompt that fits a context; refuses (413) bodies that would only burn memory.
-# FastAPI >= 0.13x enforces it; older versions accept any size.
 MAX_BODY_BYTES = 8 << 20
+TOKENIZER_THREADS = min(4, os.cpu_count() or 1)
 ERRORS = {status: {"model": ErrorResponse, "description": what} for status, what in
           [(400, "invalid request (the message names the field and the limit)"), (404, "unknown model"),
+           (408, "the request body did not arrive in time"), (413, "the request body is over 8 MiB"),
            (429, "the waiting queue is full; retry later"), (503, "the server is shutting down")]}
 
 
@@ -47,13 +51,23 @@ class ClientGone(Exception):
     """The client hung up before a non-streamed answer was ready."""
 
 
-def build_app(engine: LLMEngine, model_name: str | None = None, registry: CollectorRegistry | None = None) -> FastAPI:
-    """An app that owns `engine` through its own engine thread, started and stopped by the lifespan."""
+# No `from __future__ import annotations` here: FastAPI must see the handlers' body types,
+# which are classes built inside build_app, as objects rather than names.
+
+
+def build_app(engine: LLMEngine, model_name: str | None = None, registry: CollectorRegistry | None = None,
+              read_timeout: float = 30.0) -> FastAPI:
+    """An app that owns `engine` through its own engine thread, started and stopped by the lifespan.
+
+    read_timeout: seconds a client gets to send a request body (408 after that)."""
     metrics = ServerMetrics(registry)
     loop = EngineLoop(engine, metrics)
+    pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="flashtree-tokenize")
     name = model_name or default_model_name(engine.config.target)
     max_len = engine.config.max_model_len
     created = int(time.time())
+    CompletionBody, ChatBody = bounded(CompletionRequest, max_len), bounded(ChatCompletionRequest, max_len)
+    engine.check_size(0)  # computes the size bound now (a vocabulary scan), not on the first request
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -61,10 +75,12 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
         yield
         # uvicorn has drained (or timed out) the HTTP requests by now; abort what remains.
         await asyncio.to_thread(loop.stop)
+        pool.shutdown(wait=False, cancel_futures=True)
 
-    limit = {"max_body_size": MAX_BODY_BYTES} if "max_body_size" in inspect.signature(FastAPI).parameters else {}
-    app = FastAPI(title="flashtree", version=__version__, lifespan=lifespan, **limit,
+    # redirect_slashes off: Starlette builds those redirects from the client's Host header.
+    app = FastAPI(title="flashtree", version=__version__, lifespan=lifespan, redirect_slashes=False,
                   description="OpenAI-compatible server: lossless DFlash/DDTree speculative decoding")
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES, timeout=read_timeout)
     app.state.engine_loop = loop
     app.state.metrics = metrics
     install_error_handlers(app, lambda code: metrics.requests.labels("rejected" if code == 429 else "invalid").inc())
@@ -78,22 +94,32 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
             raise APIError(400, f"max_tokens={max_tokens} exceeds the context length ({max_len} tokens, prompt "
                            "included); output also stops when prompt + output reach it", "max_tokens",
                            "context_length_exceeded")
-        return body.sampling_params(max_tokens)
+        params = body.sampling_params(max_tokens)
+        if params.num_samples > engine.config.max_batch:
+            field = "best_of" if params.best_of else "n"
+            raise APIError(400, f"{field}={params.num_samples} samples are decoded together, but this server "
+                           f"decodes at most {engine.config.max_batch} requests at once (--max-batch)", field)
+        return params
 
-    async def final(stream: RequestStream, request: Request) -> Update:
-        """The last Update of a non-streamed request; aborts it if the client hangs up first."""
+    async def tokenize(encode, *args) -> list[int]:
+        """Token ids from the worker pool, refused there if they cannot fit the context."""
 
-        async def last() -> Update:
-            while True:
-                update = await stream.next_update()
-                if update.finish_reason is not None or update.error is not None:
-                    return update
+        def work() -> list[int]:
+            ids = encode(*args)
+            engine.check_length(ids)
+            return ids
+
+        return await asyncio.get_running_loop().run_in_executor(pool, work)
+
+    async def final(stream: RequestStream, request: Request) -> None:
+        """Wait until every sample of a non-streamed request finished; aborts the request if
+        the client hangs up first, raises a sample's error."""
 
         async def hung_up() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        result, watch = asyncio.ensure_future(last()), asyncio.ensure_future(hung_up())
+        result, watch = asyncio.ensure_future(stream.wait_done()), asyncio.ensure_future(hung_up())
         try:
             await asyncio.wait({result, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -103,97 +129,48 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
                 loop.cancel(stream)
         if not result.done() or result.cancelled():
             raise ClientGone()
-        update = result.result()
-        if update.error is not None:
-            raise update.error
-        return update
-
-    def usage(prompt_tokens: int, update: Update) -> dict:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": update.completion_tokens,
-                "total_tokens": prompt_tokens + update.completion_tokens}
-
-    async def events(stream: RequestStream, prompt_tokens: int, chunk, include_usage: bool):
-        """SSE lines for one request; `chunk(delta_text | None, finish_reason, usage)` shapes them."""
-        stops = stream.params.stop
-        sent = ""
-        if (first := chunk(None, None, None)) is not None:
-            yield sse(first)
-        while True:
-            update = await stream.next_update()
+        for update in stream.latest.values():
             if update.error is not None:
-                code = "shutting_down" if isinstance(update.error, EngineStopped) else "engine_error"
-                yield sse({"error": {"message": str(update.error), "type": "server_error", "param": None,
-                                     "code": code}})
-                yield DONE
-                return
-            done = update.finish_reason is not None
-            text = update.text if done else update.text[: safe_end(update.text, stops)]
-            delta = text[len(sent):] if text.startswith(sent) else ""
-            sent += delta
-            if delta and not done:
-                yield sse(chunk(delta, None, None))
-            if done:
-                yield sse(chunk(delta, update.finish_reason, usage(prompt_tokens, update)))
-                if include_usage:
-                    yield sse({**chunk("", None, usage(prompt_tokens, update)), "choices": []})
-                yield DONE
-                return
+                raise update.error
 
-    async def run(request: Request, body: SamplingFields, prompt, params, request_id: str, chunk, respond):
-        stream = await loop.submit(request_id, prompt, params)
-        prompt_tokens = stream.admitted.result()
+    async def run(request: Request, body: SamplingFields, ids: list[int], params, shape: Shape):
+        stream = await loop.submit(shape.id, ids, params)
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
             # on_close is a no-op once the request finished; otherwise the client left mid-stream.
-            return SSEResponse(events(stream, prompt_tokens, chunk, include), on_close=lambda: loop.cancel(stream))
+            return SSEResponse(events(stream, shape, len(ids), include), on_close=lambda: loop.cancel(stream))
         try:
-            update = await final(stream, request)
+            await final(stream, request)
         except ClientGone:
             return Response(status_code=499)
-        return respond(update, usage(prompt_tokens, update))
+        choices, updates = final_choices(stream, shape)
+        return shape.response(choices, usage(len(ids), updates))
+
+    def shape_args(params) -> dict:
+        return {"n": params.n, "logprobs": params.logprobs, "pieces": engine.token_pieces}
 
     # ---- endpoints -----------------------------------------------------------------------------
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: CompletionBody, request: Request):
         params = sampling(body, 16)
-        rid, now = new_id("cmpl"), int(time.time())
-
-        def chunk(delta, reason, use):
-            if delta is None:
-                return None
-            return {"id": rid, "object": "text_completion", "created": now, "model": name,
-                    "choices": [{"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}],
-                    **({"usage": use} if use else {})}
-
-        def respond(update: Update, use: dict):
-            return {"id": rid, "object": "text_completion", "created": now, "model": name, "usage": use,
-                    "choices": [{"index": 0, "text": update.text, "finish_reason": update.finish_reason,
-                                 "logprobs": None}]}
-
-        return await run(request, body, body.prompt, params, rid, chunk, respond)
+        if isinstance(body.prompt, str):
+            engine.check_size(len(body.prompt))
+        ids = await tokenize(engine.encode, body.prompt)
+        shape = CompletionShape(new_id("cmpl"), int(time.time()), name, **shape_args(params))
+        if body.echo:
+            shape.echo_text = body.prompt if isinstance(body.prompt, str) else engine.decode(ids)
+            shape.echo_ids = ids
+        return await run(request, body, ids, params, shape)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(body: ChatBody, request: Request):
         params = sampling(body, max_len)
-        prompt = render_chat(engine.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
-        rid, now = new_id("chatcmpl"), int(time.time())
-
-        def chunk(delta, reason, use):
-            if delta is None:  # the opening chunk announces the role, as OpenAI's does
-                choice_delta = {"role": "assistant", "content": ""}
-            else:
-                choice_delta = {"content": delta} if delta else {}
-            return {"id": rid, "object": "chat.completion.chunk", "created": now, "model": name,
-                    "choices": [{"index": 0, "delta": choice_delta, "finish_reason": reason, "logprobs": None}],
-                    **({"usage": use} if use else {})}
-
-        def respond(update: Update, use: dict):
-            return {"id": rid, "object": "chat.completion", "created": now, "model": name, "usage": use,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": update.text},
-                                 "finish_reason": update.finish_reason, "logprobs": None}]}
-
-        return await run(request, body, prompt, params, rid, chunk, respond)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        engine.check_size(sum(len(m["content"]) for m in messages))
+        ids = await tokenize(engine.encode_chat, messages, body.parse_special_tokens)
+        return await run(request, body, ids, params, ChatShape(new_id("chatcmpl"), int(time.time()), name,
+                                                               **shape_args(params)))
 
     @app.get("/v1/models", response_model=ModelList)
     async def models():
@@ -223,13 +200,3 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
     app.openapi = openapi
     return app
 
-
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    """The prompt text for a chat, through the checkpoint's own chat template."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions with a plain prompt",
-                       "messages", "no_chat_template")
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # jinja's raise_exception (e.g. bad role order) or a template bug
-        raise APIError(400, f"the chat template rejected these messages: {e}", "messages", "invalid_messages")

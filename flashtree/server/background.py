@@ -16,10 +16,10 @@ class BackgroundServer:
     running requests get `grace` seconds to finish, then they are aborted.
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, grace: float = 5.0) -> None:
-        self.server = GracefulServer(app, grace, host=host, port=port, log_level="warning", lifespan="on")
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, grace: float = 5.0, **config) -> None:
+        """`config`: more GracefulServer/uvicorn settings, e.g. read_timeout or timeout_keep_alive."""
+        self.server = GracefulServer(app, grace, host=host, port=port, log_level="warning", lifespan="on", **config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
-        self.host = host
 
     def start(self, timeout: float = 60.0) -> str:
         self.thread.start()
@@ -28,8 +28,7 @@ class BackgroundServer:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the server did not start")
             time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        return f"http://{self.host}:{port}"
+        return self.server.url
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -3,37 +3,88 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from flashtree.cli import add_engine_args, engine_kwargs
+from flashtree.cli import add_engine_args, engine_kwargs, positive_int
+from flashtree.config import EngineConfig
+
+# Flags that map onto EngineConfig fields; unset ones keep EngineConfig's defaults.
+ENGINE_LIMITS = ("max_batch", "max_model_len", "max_queue", "max_round_tokens", "max_prefill_tokens")
+
+
+def port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in 1..65535, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return value
+
+
+def startup_line(engine, name: str, url: str) -> str:
+    import torch
+
+    c = engine.config
+    budget = c.budget if c.method == "ddtree" else "-"
+    return (f"flashtree serve: model={name} ({c.target}) drafter={c.drafter or '-'} method={c.method} "
+            f"budget={budget} device={engine.device} dtype={str(engine.dtype).removeprefix('torch.')} "
+            f"threads={torch.get_num_threads()} max_batch={c.max_batch} max_model_len={c.max_model_len} "
+            + (f"tensor_parallel_size={c.tensor_parallel_size} " if c.tensor_parallel_size > 1 else "") + f"url={url}")
 
 
 def serve(args: argparse.Namespace) -> None:
-    from flashtree import EngineConfig, LLMEngine
-    from flashtree.server.app import build_app
+    from flashtree import LLMEngine
+    from flashtree.server.app import build_app, default_model_name
     from flashtree.server.graceful import GracefulServer
 
-    config = EngineConfig(**engine_kwargs(args), max_batch=args.max_batch, max_model_len=args.max_model_len,
-                          max_queue=args.max_queue, max_round_tokens=args.max_round_tokens)
-    engine = LLMEngine(config)
-    app = build_app(engine, model_name=args.served_model_name)
+    limits = {k: getattr(args, k) for k in ENGINE_LIMITS if getattr(args, k) is not None}
+    engine = LLMEngine(EngineConfig(**engine_kwargs(args), **limits, prefix_cache=not args.no_prefix_cache))
+    name = args.served_model_name or default_model_name(engine.config.target)
+    app = build_app(engine, model_name=name, read_timeout=args.read_timeout)
     # SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to
-    # --shutdown-timeout seconds, then end the rest with an error and exit.
-    GracefulServer(app, args.shutdown_timeout, host=args.host, port=args.port, log_level=args.log_level).run()
+    # --shutdown-timeout seconds, then end the rest with an error and exit. A second one exits at once.
+    GracefulServer(app, args.shutdown_timeout, read_timeout=args.read_timeout, host=args.host, port=args.port,
+                   log_level=args.log_level, timeout_keep_alive=args.keep_alive_timeout,
+                   on_ready=lambda url: print(startup_line(engine, name, url), file=sys.stderr, flush=True)).run()
 
 
 def register(subparsers) -> None:
+    d = EngineConfig
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to listen on all interfaces)")
-    p.add_argument("--port", type=int, default=8000, help="default 8000")
-    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together: cache slots (default 8)")
-    p.add_argument("--max-model-len", type=int, help="prompt + output tokens (default: min(target limit, 4096))")
-    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before a 429 (default 256)")
-    p.add_argument("--max-round-tokens", type=int, default=4096,
-                   help="cap on all trees' nodes in one verify (default 4096); "
+    p.add_argument("--port", type=port, default=8000, help="1..65535 (default 8000)")
+    p.add_argument("--max-batch", type=positive_int, help=f"requests decoded together: cache slots (default {d.max_batch})")
+    p.add_argument("--max-model-len", type=positive_int, help="prompt + output tokens (default: min(target limit, 4096))")
+    p.add_argument("--max-queue", type=positive_int,
+                   help=f"requests waiting for a slot (beyond the free ones) before a 429 (default {d.max_queue})")
+    p.add_argument("--max-round-tokens", type=positive_int,
+                   help=f"cap on all trees' nodes in one verify (default {d.max_round_tokens}); "
                    "per-request budget = min(budget, this // batch - 1)")
+    p.add_argument("--max-prefill-tokens", type=positive_int,
+                   help=f"prompt tokens prefilled per engine step (default {d.max_prefill_tokens}): a longer prompt "
+                   "is prefilled in chunks between decode rounds, so running streams keep going")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="always prefill whole prompts (by default a prompt prefix that a cache slot holds is reused)")
     p.add_argument("--served-model-name", help="the `model` clients send (default: flashtree-demo or the dir name)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on SIGTERM before they are aborted (default 30)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+                   help="seconds in-flight requests get to finish on SIGTERM before they are aborted (default 30); "
+                   "a second SIGTERM exits at once")
+    p.add_argument("--read-timeout", type=positive_float, default=30.0,
+                   help="seconds a client gets to send a request's headers, and again its body (default 30)")
+    p.add_argument("--keep-alive-timeout", type=positive_int, default=5,
+                   help="seconds an idle keep-alive connection stays open (default 5)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level; info adds one access-log line per request (default warning)")
     p.set_defaults(func=serve)

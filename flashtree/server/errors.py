@@ -15,15 +15,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from flashtree.engine.scheduler import QueueFull
-from flashtree.errors import FlashtreeError
+from flashtree.errors import ChatTemplateError, FlashtreeError, PromptTooLong, QueueFull
 from flashtree.server.loop import EngineFailed, EngineStopped
 
 log = logging.getLogger("flashtree.server")
 FIELD = re.compile(r"[a-z_][a-z0-9_]*")
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-               429: "rate_limit_error", 503: "service_unavailable"}
+               408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -68,8 +68,10 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     specific = [e for e in errors if not e.get("type", "").endswith("_type")] or errors
     err = specific[0]
     ctx = err.get("ctx") or {}
-    if err.get("type") == "unsupported":
+    if err.get("type") in ("unsupported", "field_error"):  # raised by model validators, which name the field
         return err["msg"], ctx.get("field")
+    if err.get("type") == "context_length_exceeded":
+        return err["msg"], None
     param = param_path(tuple(err.get("loc", ())))
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     if err.get("type") == "extra_forbidden":
@@ -83,10 +85,12 @@ def install_error_handlers(app: FastAPI, on_refusal) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         on_refusal(400)
-        message, param = validation_message(list(exc.errors()))
+        errors = list(exc.errors())
+        message, param = validation_message(errors)
         if param is None and "json" not in request.headers.get("content-type", ""):
             message = "send the body as JSON with the header Content-Type: application/json"
-        return error_response(400, message, param, "invalid_value")
+        too_long = errors and errors[0].get("type") == "context_length_exceeded"
+        return error_response(400, message, param, "context_length_exceeded" if too_long else "invalid_value")
 
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError):
@@ -101,6 +105,10 @@ def install_error_handlers(app: FastAPI, on_refusal) -> None:
     @app.exception_handler(FlashtreeError)
     async def _bad(request: Request, exc: FlashtreeError):
         on_refusal(400)
+        if isinstance(exc, PromptTooLong):
+            return error_response(400, str(exc), None, "context_length_exceeded")
+        if isinstance(exc, ChatTemplateError):
+            return error_response(400, str(exc), "messages", "invalid_messages")
         return error_response(400, str(exc), None, "invalid_prompt")
 
     @app.exception_handler(EngineFailed)
@@ -117,6 +125,7 @@ def install_error_handlers(app: FastAPI, on_refusal) -> None:
             on_refusal(400)
             return error_response(400, "malformed JSON body: it could not be parsed as UTF-8 JSON", None,
                                   "invalid_value")
+        # Starlette's own refusals: 404 unknown route, 405 wrong method.
         return error_response(exc.status_code, str(exc.detail), None, None, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)

@@ -43,7 +43,7 @@ class ServerMetrics:
 
     def observe_round(self, engine, outputs) -> None:
         """After engine.step(): the round's latency, batch and acceptance, and new tokens."""
-        info = engine.last_round
+        info = engine.stats().last_round
         if info is not None and info is not self._last_round:
             self._last_round = info
             self.round_seconds.observe(info.seconds)
@@ -53,10 +53,10 @@ class ServerMetrics:
         self.generation_tokens.inc(sum(len(o.new_token_ids) for o in outputs))
 
     def observe_queue(self, engine) -> None:
-        scheduler = engine.scheduler
-        self.waiting.set(len(scheduler.waiting))
-        self.running.set(len(scheduler.running))
-        if not scheduler.has_work:
+        stats = engine.stats()
+        self.waiting.set(stats.waiting)
+        self.running.set(stats.running)
+        if not stats.waiting and not stats.running:
             self.batch_size.set(0)
 
     def finished(self, req, status: str | None) -> None:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flashtree.models.dflash import DFlashDrafter
+from flashtree.models.dflash2 import DFlash2Block, DFlash2Drafter, top_candidates, unary_logits
 from flashtree.models.layers import apply_rotary
 
 BACKENDS = ("auto", "flex", "split", "dense")
@@ -109,6 +110,17 @@ def block_tokens(input_ids: Tensor, anchors: Tensor, block_size: int, mask_token
     tokens = torch.full((*anchors.shape, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
     tokens[..., 0] = input_ids.gather(1, anchors)
     return tokens
+
+
+def block_prev_tokens(input_ids: Tensor, anchors: Tensor, block_size: int) -> Tensor:
+    """[S, m, B-1]: the TRUE token before each labelled slot (slot k: the token at anchor + k - 1).
+
+    The selector is trained teacher-forced on it: at inference slot k's predecessor is the draft's
+    own depth k-1 token, which equals this one exactly when the walk reaches slot k.
+    """
+    t = input_ids.shape[1]
+    pos = anchors[..., None] + torch.arange(block_size - 1, device=anchors.device)
+    return input_ids.gather(1, pos.clamp(max=t - 1).flatten(1)).view_as(pos)
 
 
 def block_labels(batch: BlockBatch, block_size: int) -> Tensor:
@@ -223,10 +235,11 @@ ATTENTION = {
 
 
 class BlockDrafter(nn.Module):
-    """A DFlashDrafter run over many blocks at once with the training mask.
+    """A DFlashDrafter (or DFlash2Drafter) run over many blocks at once with the training mask.
 
-    It reuses the drafter's own modules (fc, hidden_norm, layers, norm, rotary), so what it
-    trains is exactly what `flashtree.LLM` later loads.
+    It reuses the drafter's own modules (fc, hidden_norm, layers, norm, rotary; a DFlash2 layer's
+    convolutions run per block through DFlash2Block.run), so what it trains is exactly what
+    `flashtree.LLM` later loads.
     """
 
     def __init__(self, drafter: DFlashDrafter, backend: str = "auto") -> None:
@@ -247,7 +260,8 @@ class BlockDrafter(nn.Module):
         ctx_rope = dr.rotary(torch.arange(t, device=noise.device)[None].expand(s, -1), noise.dtype)
         positions = (anchors[..., None] + torch.arange(b, device=noise.device)).view(s, m * b)
         rope = dr.rotary(positions, noise.dtype)
-        x = noise.reshape(s, m * b, d)
+        scale = getattr(dr.args, "input_embedding_scale", 1.0)
+        x = noise.reshape(s, m * b, d) * scale if scale != 1.0 else noise.reshape(s, m * b, d)
         make_mask, attend = ATTENTION[backend]
         masks: dict = {}
         for i, layer in enumerate(dr.layers):
@@ -255,15 +269,22 @@ class BlockDrafter(nn.Module):
             if window not in masks:
                 masks[window] = make_mask(anchors, b, t, window)
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_norm(attn.q_proj(h).view(s, m * b, attn.num_heads, attn.head_dim))
-            q = apply_rotary(q.transpose(1, 2), *rope)
-            bk, bv = attn.kv(h, rope)
-            ck, cv = attn.kv(ctx, ctx_rope)
-            out = attend(q, ck.transpose(1, 2), cv.transpose(1, 2), bk.transpose(1, 2), bv.transpose(1, 2),
-                         masks[window], b, attn.head_dim**-0.5)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(s, m * b, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+
+            def attention(h: Tensor) -> Tensor:  # [S, m*B, d] -> [S, m*B, d]
+                q = attn.q_norm(attn.qkv_proj.project(h, "q_proj").view(s, m * b, attn.num_heads, attn.head_dim))
+                q = apply_rotary(q.transpose(1, 2), *rope)
+                bk, bv = attn.kv(h, rope)
+                ck, cv = attn.kv(ctx, ctx_rope)
+                out = attend(q, ck.transpose(1, 2), cv.transpose(1, 2), bk.transpose(1, 2), bv.transpose(1, 2),
+                             masks[window], b, attn.head_dim**-0.5)
+                return attn.o_proj(out.transpose(1, 2).reshape(s, m * b, -1))
+
+            if isinstance(layer, DFlash2Block):  # convolutions run along each block's own slots
+                blocks = lambda h: attention(h.reshape(s, m * b, d)).view(s, m, b, d)
+                x = layer.run(x.view(s, m, b, d), blocks).view(s, m * b, d)
+            else:
+                x = x + attention(layer.input_layernorm(x))
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
         return dr.norm(x).view(s, m, b, d)
 
 
@@ -272,8 +293,10 @@ class LossOutput:
     loss: Tensor
     tokens: int  # labelled slots
     blocks: int  # blocks with a label at slot 1
-    accept_sum: float  # sum over blocks of 1 + leading run of top-1 hits
+    accept_sum: float  # sum over blocks of 1 + leading run of the chain's hits
     inv_accept_sum: float  # sum over blocks of 1 / (1 + leading run)
+    unary_loss: float = 0.0  # the marginal CE (DFlash-1's loss)
+    selector_loss: float = 0.0  # the CE of unary + pairwise scores, teacher-forced (DFlash2 only)
 
     @property
     def tau_estimate(self) -> float:
@@ -285,31 +308,65 @@ class LossOutput:
         return self.blocks / max(self.inv_accept_sum, 1e-9)
 
 
-def block_loss(hidden: Tensor, labels: Tensor, lm_head: nn.Module, weights: Tensor) -> LossOutput:
-    """Slot-weighted CE over labelled slots 1..B-1; the LM head runs on those rows only."""
+def block_loss(hidden: Tensor, labels: Tensor, lm_head: nn.Module, weights: Tensor,
+               drafter: DFlashDrafter | None = None, prev: Tensor | None = None) -> LossOutput:
+    """Slot-weighted CE over labelled slots 1..B-1; the LM head runs on those rows only.
+
+    A DFlash2 drafter (with `prev` from block_prev_tokens) adds the selector's CE: the scores
+    unary(c) + <pred[prev] * proj(h), succ[c]> over the whole vocabulary, on the TRUE previous
+    token. The pairwise term reads only that token and the slot's hidden state, never the label.
+    Its chain hits are the greedy selector chain's (argmax of those scores over the top-K).
+    """
     h = hidden[:, :, 1:]  # slot 0 holds the anchor token itself: no label
     keep = labels != IGNORE
     w = weights.to(h.device).expand_as(labels)[keep]
-    logits = lm_head(h[keep]).float()
+    hk = h[keep]
+    logits = lm_head(hk).float()
+    selector = isinstance(drafter, DFlash2Drafter)
+    if selector:
+        logits = unary_logits(logits, drafter.args)
     target = labels[keep]
-    ce = F.cross_entropy(logits, target, reduction="none")
-    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+
+    def weighted_ce(z: Tensor) -> Tensor:
+        return (F.cross_entropy(z, target, reduction="none") * w).sum() / w.sum().clamp(min=1e-6)
+
+    unary = weighted_ce(logits)
+    loss, pick, pair_loss = unary, None, 0.0
+    if selector:
+        scores = logits + drafter.candidate_selector.full(hk, prev[keep])
+        pair = weighted_ce(scores)
+        loss, pair_loss = unary + pair, pair.item()
+        with torch.no_grad():
+            cand = top_candidates(logits, drafter.args.selector_top_k)[1]
+            pick = cand.gather(-1, scores.gather(-1, cand).argmax(-1, keepdim=True))[:, 0]
     with torch.no_grad():
         hit = torch.zeros_like(labels, dtype=torch.bool)
-        hit[keep] = logits.argmax(-1) == target
+        hit[keep] = (logits.argmax(-1) if pick is None else pick) == target
         accept = 1 + hit.int().cumprod(-1).sum(-1)[keep[..., 0]].double()  # per block, bonus included
-    return LossOutput(loss, int(keep.sum()), len(accept), float(accept.sum()), float((1 / accept).sum()))
+    return LossOutput(loss, int(keep.sum()), len(accept), float(accept.sum()), float((1 / accept).sum()),
+                      unary.item(), pair_loss)
 
 
 def init_drafter_weights(drafter: DFlashDrafter, std: float = 0.02, seed: int = 0) -> None:
     """HF-style init: normal(0, std) matrices, unit norms; scaled output projections keep the
-    residual stream at its input scale however many layers there are."""
+    residual stream at its input scale however many layers there are.
+
+    DFlash2 parts start as DFlash-1: identity conv kernels with zero deltas, and a small pairwise
+    term (unit-scale predecessor codes, std-scale successor codes, so neither gradient is zero).
+    """
     g = torch.Generator().manual_seed(seed)
     n = len(drafter.layers)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if p.dim() == 1:
                 p.fill_(1.0)
-                continue
-            scale = std / math.sqrt(2 * n) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
-            p.copy_(torch.randn(p.shape, generator=g) * scale)
+            elif name.endswith("base_kernel"):
+                p.zero_()
+                p[:, 0] = 1.0
+            elif name.endswith("kernel_projection.weight"):
+                p.zero_()
+            elif name.endswith("predecessor_codebook"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                scale = std / math.sqrt(2 * n) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+                p.copy_(torch.randn(p.shape, generator=g) * scale)

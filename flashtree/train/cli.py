@@ -1,4 +1,4 @@
-"""`flashtree train regenerate | extract | train | eval | demo`."""
+"""`flashtree train regenerate | extract | train | eval | compare | branch | demo`."""
 
 from __future__ import annotations
 
@@ -10,11 +10,22 @@ def _ids(text: str | None) -> list[int] | None:
     return [int(x) for x in text.split(",")] if text else None
 
 
+def _temperatures(text: str) -> list[float]:
+    try:
+        temps = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--temperature takes numbers separated by commas, got {text!r}") from None
+    if any(t < 0 for t in temps) or len(set(temps)) != len(temps):
+        raise argparse.ArgumentTypeError(f"--temperature values must be distinct and >= 0, got {text!r}")
+    return temps
+
+
 def _regenerate(a: argparse.Namespace) -> None:
     from flashtree.train.responses import RegenerateConfig, regenerate
 
     cfg = RegenerateConfig(prompts=a.prompts, out=a.out, target=a.target, drafter=a.drafter, method=a.method,
-                           budget=a.budget, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_tokens,
+                           budget=a.budget, temperature=a.temperature, each_temperature=a.each_temperature,
+                           top_p=a.top_p, max_tokens=a.max_tokens,
                            chat_template=a.chat_template, chunk=a.chunk, max_batch=a.max_batch, limit=a.limit,
                            seed=a.seed, device=a.device, dtype=a.dtype)
     print(json.dumps(regenerate(cfg)))
@@ -41,7 +52,8 @@ def _train(a: argparse.Namespace) -> None:
                       grad_clip=a.grad_clip, seed=a.seed, backend=a.backend, init_from_target=a.init_from_target,
                       max_len=a.max_len, device=a.device, dtype=a.dtype, save_dtype=a.save_dtype,
                       threads=a.threads, log_every=a.log_every, save_every=a.save_every, resume=not a.no_resume,
-                      plot=a.plot)
+                      plot=a.plot, selector=a.selector, selector_rank=a.selector_rank, selector_top_k=a.selector_top_k,
+                      conv_kernel_size=a.conv_kernel_size, conv_group_size=a.conv_group_size)
     train(cfg)
 
 
@@ -52,7 +64,8 @@ def _eval(a: argparse.Namespace) -> None:
     cfg = EvalConfig(target=a.target, drafter=a.drafter, methods=a.methods.split(","),
                      budgets=_ids(a.budgets), max_tokens=a.max_tokens, temperature=a.temperature,
                      chat_template=a.chat_template, limit=a.limit, max_batch=a.max_batch, device=a.device,
-                     dtype=a.dtype, **kw)
+                     dtype=a.dtype, tensor_parallel_size=a.tensor_parallel_size,
+                     use_selector=False if a.no_selector else None, **kw)
     results = evaluate(cfg)
     print(table(results))
     if a.json:
@@ -60,13 +73,40 @@ def _eval(a: argparse.Namespace) -> None:
             json.dump(results, f, indent=2)
 
 
+def _compare(a: argparse.Namespace) -> None:
+    from flashtree.train.tau import CompareConfig, compare, table
+
+    kw = {"prompts": a.prompts} if a.prompts else {}
+    cfg = CompareConfig(variants=a.variants.split(","), target=a.target, method=a.method, budget=a.budget,
+                        max_tokens=a.max_tokens, temperature=a.temperature, limit=a.limit, max_batch=a.max_batch,
+                        dtype=a.dtype, **kw)
+    results = compare(cfg)
+    print(table(results))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def _branch(a: argparse.Namespace) -> None:
+    from flashtree.train.tau import BranchConfig, branch_acceptance
+
+    kw = {"prompts": a.prompts} if a.prompts else {}
+    cfg = BranchConfig(target=a.target, drafter=a.drafter, budget=a.budget, max_tokens=a.max_tokens, limit=a.limit,
+                       use_selector=False if a.no_selector else None, dtype=a.dtype or "float32", **kw)
+    print(json.dumps(branch_acceptance(cfg)))
+
+
 def _demo(a: argparse.Namespace) -> None:
     from flashtree.train.demo import DemoConfig, build_demo
 
+    kw = {"drafter_out": a.drafter_out} if a.drafter_out else {}
+    if a.plot:
+        kw["plot"] = a.plot
+    if a.regen_drafter:
+        kw |= {"regen_method": "ddtree", "regen_drafter": a.regen_drafter, "regen_budget": a.regen_budget}
     cfg = DemoConfig(work=a.work, build_target=not a.skip_target, target_minutes=a.target_minutes,
                      prompts=a.prompts, train_minutes=a.minutes, train_steps=None if a.minutes else a.steps,
-                     threads=a.threads,
-                     seed=a.seed)
+                     threads=a.threads, seed=a.seed, temperatures=a.temperature, selector=a.selector, **kw)
     build_demo(cfg)
 
 
@@ -88,7 +128,11 @@ def register(subparsers) -> None:
     _model_args(p, drafter=True)
     p.add_argument("--method", default="ddtree", help="ddtree (needs --drafter), dflash or ar")
     p.add_argument("--budget", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=_temperatures, default=[0.0],
+                   help="sampling temperature, or a comma-separated mix (e.g. 0,0.7,1): prompt n is "
+                        "answered at the (n mod k)-th")
+    p.add_argument("--each-temperature", action="store_true",
+                   help="with a mix: answer every prompt at every temperature (ids suffixed @tT)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--chat-template", action="store_true", help="wrap prompts in the target's chat template")
@@ -142,6 +186,12 @@ def register(subparsers) -> None:
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--plot", help="loss-curve PNG (default OUT/loss.png)")
+    p.add_argument("--selector", action="store_true",
+                   help="train a DFlash2 drafter: block convolutions + a candidate selector (Markov drafts)")
+    p.add_argument("--selector-rank", type=int, default=32)
+    p.add_argument("--selector-top-k", type=int, default=16, help="candidates per depth the selector rescores")
+    p.add_argument("--conv-kernel-size", type=int, default=4)
+    p.add_argument("--conv-group-size", type=int, help="channels sharing a predicted tap (default min(32, hidden))")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("eval", help="tau of a drafter for dflash and ddtree at several budgets")
@@ -154,8 +204,33 @@ def register(subparsers) -> None:
     p.add_argument("--chat-template", action="store_true")
     p.add_argument("--limit", type=int, help="prompts per file")
     p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--no-selector", action="store_true", help="DFlash2 drafters: measure the marginal tree")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="split the target over N ranks")
     p.set_defaults(func=_eval)
+
+    p = sub.add_parser("compare", help="drafters (and ar) interleaved on the same prompts: tau and tok/s")
+    p.add_argument("variants", help='comma-separated: "ar", a drafter dir, or DIR:no-selector')
+    p.add_argument("--target", help="HF target dir or hub id (default: the embedded demo target)")
+    p.add_argument("--dtype", help="compute dtype (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--prompts", action="append", help="prompt JSONL (repeatable; default: the bench suites)")
+    p.add_argument("--method", default="ddtree")
+    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--limit", type=int, help="prompts per file")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--json", help="also write the results here")
+    p.set_defaults(func=_compare)
+
+    p = sub.add_parser("branch", help="greedy ddtree's acceptance one level below an accepted top-1 child vs sibling")
+    _model_args(p, drafter=True)
+    p.add_argument("--prompts", action="append", help="prompt JSONL (repeatable; default: the bench suites)")
+    p.add_argument("--budget", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, help="prompts per file")
+    p.add_argument("--no-selector", action="store_true", help="DFlash2 drafters: the marginal tree")
+    p.set_defaults(func=_branch)
 
     p = sub.add_parser("demo", help="rebuild the embedded demo target + drafter from the stdlib")
     p.add_argument("--work", default="runs/demo")
@@ -166,4 +241,11 @@ def register(subparsers) -> None:
     p.add_argument("--minutes", type=float, help="drafter time budget instead of --steps")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--selector", action="store_true", help="train a DFlash2 drafter (see train --selector)")
+    p.add_argument("--temperature", type=_temperatures, default=[0.0],
+                   help="regeneration temperature(s); a mix such as 0,0.7,1 takes them in turn over prompts")
+    p.add_argument("--regen-drafter", help="regenerate with ddtree and this drafter (default: ar)")
+    p.add_argument("--regen-budget", type=int, default=16)
+    p.add_argument("--drafter-out", help="where the drafter goes (default: the embedded demo drafter)")
+    p.add_argument("--plot", help="loss-curve PNG (default docs/figures/demo_drafter_loss.png)")
     p.set_defaults(func=_demo)

@@ -32,6 +32,8 @@ class DemoConfig:
     max_tokens: int = 128
     regen_method: str = "ar"  # the first drafter cannot draft for its own data
     regen_drafter: str | None = None
+    regen_budget: int = 64
+    temperatures: list[float] = field(default_factory=lambda: [0.0])  # a mix: prompt n at temperatures[n % k]
     block_size: int = 16
     num_layers: int = 2
     layer_ids: list[int] = field(default_factory=lambda: [1, 3, 5])
@@ -41,6 +43,10 @@ class DemoConfig:
     train_steps: int | None = 1200  # ~40 min on one uncontended CPU thread
     train_minutes: float | None = None  # used when train_steps is None
     save_dtype: str = "bfloat16"  # keeps target + drafter under 30 MB
+    selector: bool = False  # a DFlash2 drafter (convolutions + candidate selector)
+    selector_rank: int = 32
+    selector_top_k: int = 16
+    conv_kernel_size: int = 4
     threads: int = 1
     seed: int = 0
     eval_limit: int | None = None
@@ -96,8 +102,9 @@ def build_demo(cfg: DemoConfig) -> dict:
     print("== regenerate", flush=True)
     responses = work / "responses.jsonl"
     regenerate(RegenerateConfig(prompts=str(prompts), out=str(responses), target=cfg.target,
-                                drafter=cfg.regen_drafter, method=cfg.regen_method, max_tokens=cfg.max_tokens,
-                                temperature=0.0, chunk=128, max_batch=32, dtype="float32"))
+                                drafter=cfg.regen_drafter, method=cfg.regen_method, budget=cfg.regen_budget,
+                                max_tokens=cfg.max_tokens, temperature=list(cfg.temperatures), chunk=128,
+                                max_batch=32, dtype="float32"))
 
     print("== extract", flush=True)
     features = work / "features"
@@ -109,7 +116,9 @@ def build_demo(cfg: DemoConfig) -> dict:
     summary = train(TrainConfig(out=str(run), data=str(features), target=cfg.target, block_size=cfg.block_size,
                                 num_layers=cfg.num_layers, max_anchors=cfg.max_anchors, batch_size=cfg.batch_size,
                                 lr=cfg.lr, steps=cfg.train_steps, minutes=cfg.train_minutes, seed=cfg.seed,
-                                threads=cfg.threads, save_dtype=cfg.save_dtype, plot=cfg.plot, dtype="float32"))
+                                threads=cfg.threads, save_dtype=cfg.save_dtype, plot=cfg.plot, dtype="float32",
+                                selector=cfg.selector, selector_rank=cfg.selector_rank,
+                                selector_top_k=cfg.selector_top_k, conv_kernel_size=cfg.conv_kernel_size))
 
     out = Path(cfg.drafter_out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,9 @@
 """Train a DFlash drafter for a target: the recipe of the DFlash paper, on CPU or under torchrun.
 
+With `selector`, the drafter is a DFlash2 (models/dflash2.py): block-local convolutions in every
+layer and a candidate selector, learnt jointly with the rest; the selector's loss is taken on
+the true previous token (teacher forcing, see blocks.block_loss).
+
 Per step, every sequence draws fresh random anchors among its response tokens (up to
 `max_anchors`), and all its blocks run in one drafter forward (see blocks.py). The loss is
 the slot-weighted CE of blocks.block_loss. The target's embedding and LM head are borrowed
@@ -28,9 +32,10 @@ import torch.distributed as dist
 from torch import nn
 
 from flashtree.errors import FlashtreeError
-from flashtree.models.dflash import DFlashArgs, DFlashDrafter, default_target_layer_ids, save_drafter
-from flashtree.train.blocks import BlockDrafter, block_labels, block_loss, block_tokens, init_drafter_weights, \
-    make_batch, slot_weights
+from flashtree.models.dflash import DFlashArgs, DFlashDrafter, default_target_layer_ids
+from flashtree.models.dflash2 import DFlash2Args, DFlash2Drafter, save_drafter
+from flashtree.train.blocks import BlockDrafter, block_labels, block_loss, block_prev_tokens, block_tokens, \
+    init_drafter_weights, make_batch, slot_weights
 from flashtree.train.features import FeatureShards, SequenceRows, target_features
 
 
@@ -70,6 +75,15 @@ class TrainConfig:
     resume: bool = True
     stop_after: int | None = None  # stop (with a checkpoint) after this many steps this run: tests simulate a kill
     plot: str | None = None  # loss-curve PNG (default OUT/loss.png)
+    selector: bool = False  # train a DFlash2 drafter (convolutions + candidate selector)
+    selector_rank: int = 32
+    selector_top_k: int = 16
+    conv_kernel_size: int = 4
+    conv_group_size: int | None = None  # None = min(32, hidden size)
+
+
+# Settings that do not change what a run computes: a resume may differ in these.
+RESUMABLE = ("out", "resume", "threads", "log_every", "save_every", "stop_after", "plot")
 
 
 # ---------------------------------------------------------------------------- distributed
@@ -184,15 +198,22 @@ def resolve_mask_token(target, given: int | None) -> int:
 def build_drafter(target, cfg: TrainConfig, layer_ids: list[int]) -> DFlashDrafter:
     """A drafter shaped like the target's layers (its hidden size is the target's by design)."""
     ta = target.args
-    args = DFlashArgs(
+    shape = dict(
         hidden_size=ta.hidden_size, intermediate_size=cfg.intermediate_size or ta.intermediate_size,
         num_layers=cfg.num_layers, num_heads=ta.num_heads, num_kv_heads=ta.num_kv_heads, head_dim=ta.head_dim,
         rms_norm_eps=ta.rms_norm_eps, block_size=cfg.block_size, target_layer_ids=list(layer_ids),
         mask_token_id=resolve_mask_token(target, cfg.mask_token_id), num_target_layers=target.num_layers,
         vocab_size=target.vocab_size, rope=dict(ta.rope), layer_types=["full_attention"] * cfg.num_layers,
     )
+    if cfg.selector:
+        args = DFlash2Args(**shape, selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k,
+                           conv_kernel_size=cfg.conv_kernel_size,
+                           conv_group_size=cfg.conv_group_size or min(32, ta.hidden_size))
+        args.check()
+    else:
+        args = DFlashArgs(**shape)
     with torch.device("cpu"):
-        drafter = DFlashDrafter(args).float()
+        drafter = (DFlash2Drafter(args) if cfg.selector else DFlashDrafter(args)).float()
     init_drafter_weights(drafter, seed=cfg.seed)
     if cfg.init_from_target:
         copy_target_layers(drafter, target)
@@ -230,7 +251,7 @@ def export(drafter: DFlashDrafter, out: Path, dtype: str) -> None:
     from flashtree.models.loader import parse_dtype
 
     d = parse_dtype(dtype, torch.device("cpu"))
-    copy = DFlashDrafter(drafter.args)
+    copy = type(drafter)(drafter.args)
     copy.load_state_dict(drafter.state_dict())
     save_drafter(copy.to(d), out)
 
@@ -289,12 +310,21 @@ def train(cfg: TrainConfig) -> dict:
     ckpt_path = out / "checkpoint.pt"
     if cfg.resume and ckpt_path.is_file():
         ck = torch.load(ckpt_path, map_location=device, weights_only=False)
+        changed = changed_settings(ck.get("config", {}), asdict(cfg))
+        if changed:
+            raise FlashtreeError(f"{ckpt_path} was trained with other settings ({'; '.join(changed)}); rerun with "
+                                 "the same ones to resume, or start over with a fresh --out or --no-resume")
         if ck["args"] != asdict(drafter.args):
             raise FlashtreeError(f"{ckpt_path} is for another drafter shape; use a fresh --out or --no-resume")
         drafter.load_state_dict(ck["drafter"])
         opt.load_state_dict(ck["optim"])
         loader.load(ck["loader"])
         step, total, log_rows = ck["step"], ck["total"], ck.get("log", [])
+        if total is not None and step >= total:
+            if dd.main:
+                print(f"{ckpt_path} already holds all {total} steps; nothing to train", flush=True)
+            summary = out / "train_args.json"
+            return json.loads(summary.read_text()) if summary.is_file() else {"steps": step}
         if dd.main:
             print(f"resumed from {ckpt_path} at step {step}/{total}", flush=True)
 
@@ -312,12 +342,16 @@ def train(cfg: TrainConfig) -> dict:
         export(drafter, out, cfg.save_dtype)
         write_log(out / "train_log.csv", log_rows)
 
+    if dd.main and (total is None or step < total):
+        print(LOG_LEGEND + ("; DFlash2: loss = unary CE + selector CE, tau~ of the selector's chain"
+                            if cfg.selector else ""), flush=True)
     while total is None or step < total:
         # Before a --minutes run is calibrated (10 steps), stay low in the warmup.
         lr = cfg.lr * (lr_factor(step, total, cfg.warmup, cfg.min_lr_ratio) if total else (step + 1) / 100)
         for g in opt.param_groups:
             g["lr"] = lr
-        stats = torch.zeros(6, dtype=torch.float64)  # loss sum, micro-batches, labels, blocks, accept, 1/accept
+        # loss sum, micro-batches, labels, blocks, accept, 1/accept, unary loss sum, selector loss sum
+        stats = torch.zeros(8, dtype=torch.float64)
         for micro in range(cfg.grad_accum):
             rows = loader.next()
             gen = torch.Generator().manual_seed(hash((cfg.seed, step, micro, dd.rank)) & 0x7FFFFFFF)
@@ -328,14 +362,15 @@ def train(cfg: TrainConfig) -> dict:
             batch = batch.to(device)
             labels = block_labels(batch, cfg.block_size)
             tokens = block_tokens(batch.input_ids, batch.anchors, cfg.block_size, drafter.args.mask_token_id)
+            prev = block_prev_tokens(batch.input_ids, batch.anchors, cfg.block_size) if cfg.selector else None
             sync = ddp.no_sync() if dd.world > 1 and micro < cfg.grad_accum - 1 else nullcontext()
             with sync, autocast:
                 noise = target.embed_tokens(tokens).float()
                 hidden = ddp(batch.features, noise, batch.anchors)
-                res = block_loss(hidden, labels, target.lm_head, weights)
+                res = block_loss(hidden, labels, target.lm_head, weights, drafter, prev)
                 (res.loss / cfg.grad_accum).backward()
-            stats += torch.tensor([res.loss.item(), 1, res.tokens, res.blocks, res.accept_sum, res.inv_accept_sum],
-                                  dtype=torch.float64)
+            stats += torch.tensor([res.loss.item(), 1, res.tokens, res.blocks, res.accept_sum, res.inv_accept_sum,
+                                   res.unary_loss, res.selector_loss], dtype=torch.float64)
             seen_tokens += res.tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
         opt.step()
@@ -359,11 +394,12 @@ def train(cfg: TrainConfig) -> dict:
                    "tau_estimate": float(w[3] / w[5].clamp(min=1e-9)),
                    "grad_norm": float(grad_norm), "epoch": round(loader.epochs_done, 3),
                    "labels_per_s": seen_tokens * dd.world / max(elapsed, 1e-9), "elapsed_s": elapsed}
+            if cfg.selector:
+                row |= {"unary_loss": float(w[6] / w[1]), "selector_loss": float(w[7] / w[1])}
             log_rows.append(row)
             window = []
             if dd.main:
-                print(f"step {step}/{total} loss {row['loss']:.4f} tau~{row['tau_estimate']:.2f} "
-                      f"(mean accept {row['accept_mean']:.2f}) lr {lr:.2e} "
+                print(f"step {step}/{total} loss {row['loss']:.4f} tau~{row['tau_estimate']:.2f} lr {lr:.2e} "
                       f"|g| {row['grad_norm']:.2f} ep {row['epoch']:.2f} {row['labels_per_s']:.0f} labels/s "
                       f"{elapsed:.0f}s", flush=True)
         if step % cfg.save_every == 0 or step == total:
@@ -386,6 +422,17 @@ def train(cfg: TrainConfig) -> dict:
     if dd.world > 1:
         dist.barrier()
     return summary
+
+
+LOG_LEGEND = ("log: loss = slot-weighted cross-entropy of the steps since the last line; tau~ = teacher-forced "
+              "chain acceptance (1 + leading run of top-1 hits per block, harmonic mean over blocks: tokens per "
+              "round, an optimistic preview of `train eval`)")
+
+
+def changed_settings(old: dict, new: dict) -> list[str]:
+    """'name: old -> new' for every setting that changes what the run computes (see RESUMABLE)."""
+    keys = sorted((set(old) | set(new)) - set(RESUMABLE))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
 def write_log(path: Path, rows: list[dict]) -> None:

