@@ -1,7 +1,7 @@
 """Time per round split by stage, and the non-model overhead share, on a random demo-sized pair,
 eager and (with --compile) compiled, the modes' passes interleaved.
 
-    OMP_NUM_THREADS=1 python benchmarks/round_overhead.py --budgets 16 64 --compile
+    OMP_NUM_THREADS=1 python benchmarks/round_overhead.py --budgets 16 64 --compile [--demo]
 
 Non-model overhead = tree build + ancestor mask + accept walk + commit (the drafter context
 append is drafter model work and counts under draft). Compile time is paid in a warm-up pass and
@@ -11,6 +11,7 @@ reported separately; the engine leaves it out of stage times anyway.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -50,14 +51,15 @@ def run_once(engine: LLMEngine, prompt: list[int], max_tokens: int):
 def alone_ms(engine: LLMEngine, method: str, budget: int, args, compiled: bool) -> tuple[float, float]:
     """Mask (the verify context: ancestor table + mask) and walk, timed alone on a round's shapes."""
     compiler = Compiler(engine.device, compiled)
-    logits = torch.randn(1, args.block - 1, args.vocab)
+    vocab = engine.target.vocab_size
+    logits = torch.randn(1, args.block - 1, vocab)
     spec = build_chain(torch.tensor([1]), logits) if method == "dflash" else build_tree(torch.tensor([1]), logits, budget)
     cache = engine.runner.cache
     cache.set_length(0, args.prompt_len)
     key_len = engine.runner.key_len(ForwardContext.verify(cache, [0], spec).batch, spec.num_nodes)
     context = compiler(lambda s, b: ForwardContext.verify(cache, b, s, key_len).mask)
     batch = ForwardContext.verify(cache, [0], spec).batch
-    picks = torch.randint(0, args.vocab, (1, spec.num_nodes))
+    picks = torch.randint(0, vocab, (1, spec.num_nodes))
     walk = compiler(accept_walk)
     mask_ms, walk_ms = median_ms(lambda: context(spec, batch)), median_ms(lambda: walk(spec, picks))
     cache.set_length(0, 0)
@@ -77,17 +79,29 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--demo", action="store_true",
+                    help="the shipped demo pair (trained, so drafts get accepted) instead of random weights")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    root = Path(tempfile.mkdtemp())
-    target = make_target(root / "t", vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2,
-                         logit_scale=3.0)
-    drafter = make_drafter(root / "d", target_layers=args.layers, vocab=args.vocab, hidden=args.hidden, layers=1,
-                           block_size=args.block)
-    prompt = [(7 * i) % (args.vocab - 2) for i in range(args.prompt_len)]
-    print(f"torch {torch.__version__}, threads {args.threads}, target {args.layers}x{args.hidden} V={args.vocab}, "
-          f"drafter 1 layer, block {args.block}, prompt {args.prompt_len}, {args.max_tokens} new tokens, "
-          f"{args.passes} interleaved passes\n")
+    if args.demo:
+        from flashtree.config import DEMO_DRAFTER, DEMO_TARGET
+
+        target, drafter = DEMO_TARGET, DEMO_DRAFTER
+        text = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+        ids = LLMEngine(EngineConfig(method="ar", device="cpu")).encode(text)
+        prompt = (ids * (args.prompt_len // len(ids) + 1))[: args.prompt_len]
+        args.block = json.loads((DEMO_DRAFTER / "config.json").read_text()).get("block_size", args.block)
+        shape = "the demo pair"
+    else:
+        root = Path(tempfile.mkdtemp())
+        target = make_target(root / "t", vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=4,
+                             kv_heads=2, logit_scale=3.0)
+        drafter = make_drafter(root / "d", target_layers=args.layers, vocab=args.vocab, hidden=args.hidden,
+                               layers=1, block_size=args.block)
+        prompt = [(7 * i) % (args.vocab - 2) for i in range(args.prompt_len)]
+        shape = f"random target {args.layers}x{args.hidden} V={args.vocab}, drafter 1 layer"
+    print(f"torch {torch.__version__}, threads {args.threads}, {shape}, block {args.block}, prompt {args.prompt_len}, "
+          f"{args.max_tokens} new tokens, {args.passes} interleaved passes\n")
     modes = [False, True] if args.compile else [False]
     engines = {}
     for compiled in modes:
