@@ -15,17 +15,24 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from flashtree.config import EngineConfig
-from flashtree.engine.budget import AutoBudget
+from flashtree.engine.cost_model import save, startup
+from flashtree.engine.draft_context import DeferredContext
+from flashtree.engine.policy import AR, Policy, RoundPlan, fixed_plan
 from flashtree.engine.sequence import Request
+from flashtree.engine.staging import Staging
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
 from flashtree.sampling import pick_tokens
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
-from flashtree.tree.budget import expected_accepts, truncate
+from flashtree.tree.mix import cat_rows, pad_spec, place_rows, root_only
+from flashtree.tree.value import depth_mass, first_branch, node_kinds, node_values, value_curve
+
+SAVE_AFTER = 256  # rounds of online refinement after which the cost cache is rewritten (once)
 
 
 class StageClock:
@@ -83,14 +90,22 @@ class ModelRunner:
         self.cache = target.new_cache(config.max_batch, cache_len)
         self.draft_cache = drafter.new_cache(config.max_batch, cache_len) if drafter is not None else None
         self.inputs = InputStage(config.max_batch, device)
+        self.staging = Staging(device)
         sync = config.stage_timing if config.stage_timing is not None else device.type != "cuda"
         self.clock = StageClock(device, sync)
-        self.auto = None
+        self.timed_stages = sync or device.type == "cpu"  # stage times are real, not launch times
+        self.policy: Policy | None = None
+        self.deferred: DeferredContext | None = None
+        self.owner: list[str | None] = [None] * config.max_batch
         if self.method == "ddtree" and config.budget == "auto":
-            self.auto = AutoBudget.measure(target, drafter, self.cache, self.draft_cache, config.max_budget)
-            self.auto_columns = torch.tensor(self.auto.candidates, device=device) - 1
-        # budget="auto" sizes each round from the previous round's draft, read with that round's results.
-        self.expected: dict[str, list[float]] = {}  # request id -> expected accepts at each auto candidate
+            cost, self.cost_path, self.cost_key = startup(target, drafter, self.cache, self.draft_cache,
+                                                          config.max_batch, self.max_window, config.max_budget,
+                                                          config.cost_cache)
+            self.policy = Policy(cost, config.max_batch, self.block_size, config.max_budget, config.max_round_tokens)
+            w = drafter.fc.weight
+            self.deferred = DeferredContext(config.max_batch, w.shape[1], w.dtype, device)
+        self.last_plan: RoundPlan | None = None
+        self._draft_pass = 0.0
 
     def round_budget(self, n: int) -> int:
         """Per-request tree budget for a batch of n: capped so all trees fit max_round_tokens."""
@@ -117,93 +132,213 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, reqs: list[Request]) -> tuple[list[list[int]], dict[str, float]]:
         """One round for every request in `reqs`; returns each one's emitted tokens."""
+        t0 = time.perf_counter()
         self.clock.seconds = {}
         slots = [r.slot for r in reqs]
+        plan = self.plan(reqs)
         batch, roots = self.inputs.upload(slots, [self.cache.lengths[s] for s in slots], [r.bonus for r in reqs])
-        spec, plan = self.draft(batch, roots, reqs)
+        staged, flush = self.stage(plan, slots)
+        if flush:
+            with self.clock.stage("draft"):
+                self.append_held(flush, staged)
+        spec, values = self.draft(batch, roots, plan, staged)
         with self.clock.stage("verify"):
             ctx = ForwardContext.verify(self.cache, batch, spec)
             out = self.target(spec.tokens.clamp(min=0), ctx, self.feature_layers)
             picks = pick_tokens(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
         with self.clock.stage("commit"):
             walk = accept_walk(spec, picks)
-            counts, emitted = self.read_round(walk.num_nodes, walk.tokens, reqs, plan)
+            extras = self.round_extras(plan, values, walk, staged)
+            counts, emitted, host_extras = self.read_round(walk.num_nodes, walk.tokens, extras)
             self.cache.commit(ctx, counts, walk.path, walk.num_nodes)
         if self.drafter is not None:
             # Projecting the accepted nodes' features into drafter K/V is drafter model work.
             with self.clock.stage("draft"):
-                dctx = ForwardContext.block(self.draft_cache, batch, walk.path.shape[1])
-                self.drafter.add_context(dctx, gather_nodes(out.features, walk.path))
-                self.draft_cache.commit(dctx, counts)
+                self.extend_context(plan, staged, batch, out.features, walk, counts, slots)
+        self.last_plan = plan
+        if self.policy is not None:
+            self.learn(plan, slots, counts, host_extras, time.perf_counter() - t0)
         return emitted, dict(self.clock.seconds)
 
-    def draft(self, batch: SlotBatch, roots: Tensor, reqs: list[Request]) -> tuple[TreeSpec, AutoPlan | None]:
-        if self.drafter is None:
+    # ---- the plan: who drafts, and how ----------------------------------------------------
+
+    def plan(self, reqs: list[Request]) -> RoundPlan:
+        for r in reqs:
+            if self.owner[r.slot] != r.request_id:  # a new request in this slot: nothing held back
+                self.owner[r.slot] = r.request_id
+                if self.deferred is not None:
+                    self.deferred.reset(r.slot)
+        if self.policy is not None:
+            return self.policy.plan(reqs)
+        method = self.method if self.drafter is not None else "ar"
+        return fixed_plan(len(reqs), method, self.block_size, self.round_budget(len(reqs)))
+
+    def stage(self, plan: RoundPlan, slots: list[int]) -> tuple[dict[str, Tensor], dict[int, list[int]]]:
+        """Upload the plan's index lists (and the drafting rows' calibration) in one copy."""
+        longs: dict[str, list[int]] = {}
+        floats = {}
+        rows = plan.draft_rows
+        if plan.drafting and rows != list(range(len(slots))):
+            longs["draft_rows"] = rows
+            longs["draft_slots"] = [slots[i] for i in rows]
+            longs["draft_starts"] = [self.cache.lengths[slots[i]] for i in rows]
+        flush: dict[int, list[int]] = {}
+        if self.deferred is not None:
+            idle = [i for i, m in enumerate(plan.modes) if m == AR]
+            flush = self.deferred.groups(self.deferred.due([slots[i] for i in rows], [slots[i] for i in idle]))
+            for n, group in flush.items():
+                longs[f"held{n}"] = group
+                longs[f"held{n}_starts"] = [self.draft_cache.lengths[s] for s in group]
+            if idle:
+                flushed = {s for g in flush.values() for s in g}
+                longs["idle_rows"] = idle
+                longs["idle_slots"] = [slots[i] for i in idle]
+                longs["idle_pos"] = [0 if slots[i] in flushed else self.deferred.counts[slots[i]] for i in idle]
+        if plan.learn and plan.drafting:
+            floats["beta"] = plan.beta
+            cols = self.policy.curve_columns(plan)
+            if cols:
+                longs["curve_cols"] = [int(b) - 1 for b in self.policy.grid[:cols]]
+        return self.staging.upload(longs, floats), flush
+
+    def append_held(self, flush: dict[int, list[int]], staged: dict[str, Tensor]) -> None:
+        """Give the drafter the context it was spared while these slots did not draft."""
+        for n, group in flush.items():
+            batch = SlotBatch(group, [self.draft_cache.lengths[s] for s in group], staged[f"held{n}"],
+                              staged[f"held{n}_starts"])
+            ctx = ForwardContext.block(self.draft_cache, batch, n)
+            self.drafter.add_context(ctx, self.deferred.held(batch.slots, n))
+            self.draft_cache.commit(ctx, [n] * len(group))
+            for s in group:
+                self.deferred.reset(s)
+
+    def _draft_batch(self, batch: SlotBatch, plan: RoundPlan, staged: dict[str, Tensor]) -> SlotBatch:
+        if "draft_rows" not in staged:
+            return batch
+        slots = [batch.slot_list[i] for i in plan.draft_rows]
+        return SlotBatch(slots, [batch.start_list[i] for i in plan.draft_rows], staged["draft_slots"],
+                         staged["draft_starts"])
+
+    def draft(self, batch: SlotBatch, roots: Tensor, plan: RoundPlan, staged: dict[str, Tensor]
+              ) -> tuple[TreeSpec, dict | None]:
+        """The round's window: drafted rows from the drafter (only those), the rest a lone root."""
+        if not plan.drafting:
             return chain_spec(roots[:, None]), None
+        sub = self._draft_batch(batch, plan, staged)
+        sub_roots = roots.index_select(0, staged["draft_rows"]) if "draft_rows" in staged else roots
         with self.clock.stage("draft"):
-            block = torch.full((batch.size, self.block_size), self.drafter.args.mask_token_id, device=self.device)
-            block[:, 0] = roots
-            hidden = self.drafter(self.target.embed_tokens(block), ForwardContext.block(self.draft_cache, batch,
+            t0 = time.perf_counter()
+            block = torch.full((sub.size, self.block_size), self.drafter.args.mask_token_id, device=self.device)
+            block[:, 0] = sub_roots
+            hidden = self.drafter(self.target.embed_tokens(block), ForwardContext.block(self.draft_cache, sub,
                                                                                         self.block_size))
-            logits = self.target.lm_head(hidden[:, 1:])
+            # A tree of b nodes is at most b deep: score only the depths the window can use.
+            logits = self.target.lm_head(hidden[:, 1 : 1 + plan.depth])
+            if self.clock.sync:
+                torch.cuda.synchronize()
+            self._draft_pass = time.perf_counter() - t0
         with self.clock.stage("tree"):
-            if self.method == "dflash":
-                return build_chain(roots, logits), None
-            cap = self.round_budget(batch.size)
-            if self.auto is None:
-                return build_tree(roots, logits, cap), None
-            # The full-size tree's expected acceptance, read with this round's results, sizes the
-            # next round; this round uses the size the previous round's draft chose.
-            plan = AutoPlan(self.auto, cap, self.auto_budget(reqs, cap))
-            full = build_tree(roots, logits, cap)
-            e = expected_accepts(full)  # [R, cap]: column b-1 is the top-b tree
-            plan.expected = torch.cat([e[:, self.auto_columns[: len(plan.candidates)]],
-                                       e[:, plan.budget - 1 : plan.budget]], dim=1)
-            return truncate(full, plan.budget), plan
+            kt = plan.tree_rows
+            if kt == 0 and plan.window == self.block_size and not plan.learn and "draft_rows" not in staged:
+                return build_chain(roots, logits), None  # dflash: the chain fast path
+            parts = []
+            if kt:
+                parts.append(build_tree(sub_roots[:kt], logits[:kt], plan.budget))
+            if sub.size > kt:
+                parts.append(scored_chain(sub_roots[kt:], logits[kt:, : plan.chain]))
+            if len(parts) == 1 and "draft_rows" not in staged and not plan.learn:
+                return parts[0], None
+            part = cat_rows([pad_spec(p, plan.window) for p in parts])
+            values = self.node_values(part, logits, staged) if plan.learn else None
+            if "draft_rows" in staged:
+                return place_rows(root_only(roots, plan.window), staged["draft_rows"], part), values
+            return part, values
 
-    def auto_budget(self, reqs: list[Request], cap: int) -> int:
-        """This round's budget from the expectations the previous round read (cap before any)."""
-        known = [self.expected[r.request_id] for r in reqs if r.request_id in self.expected]
-        if not known:
-            return cap
-        columns = min(len(e) for e in known)
-        mean = [sum(e[c] for e in known) / len(known) for c in range(columns)]
-        gains = [mean[c] * len(reqs) for c in range(columns)]  # requests without a record count as the mean
-        return self.auto.choose_gains(gains, len(reqs), cap)
+    # ---- what the policy learns from ------------------------------------------------------
 
-    def read_round(self, num_nodes: Tensor, tokens: Tensor, reqs: list[Request], plan: AutoPlan | None
-                   ) -> tuple[list[int], list[list[int]]]:
-        """The round's one device-to-host read: accepted counts and tokens (and auto's expectations)."""
+    def node_values(self, part: TreeSpec, logits: Tensor, staged: dict[str, Tensor]) -> dict:
+        """Per drafted row: node kinds, raw and calibrated node values, the tree curve at the grid
+        columns, the chain curve (calibrated spine reach summed by depth), and predicted mass."""
+        beta = staged["beta"]
+        kinds = node_kinds(part)
+        raw, calibrated = node_values(part, kinds, beta)
+        out = {"kinds": kinds, "mass": depth_mass(part, kinds, raw, beta.shape[1])}
+        lp = logits.float()
+        spine = (lp.amax(-1) - torch.logsumexp(lp, -1)).cumsum(1).exp()  # [k, depth] spine reach
+        out["chain"] = (beta[:, : spine.shape[1], 0] * spine).clamp(max=1.0).cumsum(1)
+        if "curve_cols" in staged:
+            curve = value_curve(part, calibrated)
+            out["tree"] = curve.gather(1, staged["curve_cols"][None, :].expand(part.batch_size, -1))
+        return out
+
+    def round_extras(self, plan: RoundPlan, values: dict | None, walk, staged: dict[str, Tensor]) -> Tensor | None:
+        """[drafting, 1 + cols + depth + 2 * depth] floats for the policy, read with the round."""
+        if values is None:
+            return None
+        path = walk.path.index_select(0, staged["draft_rows"]) if "draft_rows" in staged else walk.path
+        branch = first_branch(values["kinds"], path).float()[:, None]
+        parts = [branch]
+        if "tree" in values:
+            parts.append(values["tree"])
+        parts += [values["chain"], values["mass"].flatten(1)]
+        return torch.cat(parts, 1)
+
+    def learn(self, plan: RoundPlan, slots: list[int], counts: list[int], extras, seconds: float) -> None:
+        self.policy.observe(plan, slots, [c - 1 for c in counts], extras)
+        s = self.clock.seconds
+        stages = {"verify": s.get("verify", 0.0), "draft_pass": self._draft_pass, "tree": s.get("tree", 0.0)}
+        cost = self.policy.cost
+        cost.refine(len(slots), plan.window, plan.drafting, plan.depth, plan.tree_rows, plan.budget,
+                    stages if self.timed_stages else None, seconds)
+        if cost.refined == SAVE_AFTER:  # keep what this run learned for the next start
+            save(self.cost_path, self.cost_key, cost)
+
+    def read_round(self, num_nodes: Tensor, tokens: Tensor, extras: Tensor | None
+                   ) -> tuple[list[int], list[list[int]], np.ndarray | None]:
+        """The round's one device-to-host read: accepted counts and tokens (and the policy's floats)."""
         packed = torch.cat([num_nodes[:, None], tokens], dim=1)
-        if plan is None:
+        if extras is None:
             host = packed.tolist()
+            more = None
         else:
-            # float64 holds every token id exactly, so the expectations ride along in the same read.
-            host = torch.cat([packed.double(), plan.expected.double()], dim=1).tolist()
-            host = [[int(x) for x in row[: packed.shape[1]]] + [row[packed.shape[1]:]] for row in host]
-            self.observe(plan, host, reqs)
+            # float64 holds every token id exactly, so the policy's floats ride along in the same read.
+            R, W = packed.shape
+            flat = torch.cat([packed.flatten().double(), extras.flatten().double()]).tolist()
+            host = [[int(x) for x in flat[r * W : (r + 1) * W]] for r in range(R)]
+            more = np.array(flat[R * W :]).reshape(tuple(extras.shape))
         counts = [row[0] for row in host]
-        return counts, [row[1 : 1 + row[0]] for row in host]
+        return counts, [row[1 : 1 + row[0]] for row in host], more
 
-    def observe(self, plan: AutoPlan, host: list[list], reqs: list[Request]) -> None:
-        expected = [row[-1] for row in host]
-        predicted = sum(e[plan.used] for e in expected)
-        self.auto.observe(predicted, sum(row[0] for row in host) - len(host))
-        live = {r.request_id for r in reqs}
-        self.expected = {k: v for k, v in self.expected.items() if k in live}
-        for req, e in zip(reqs, expected):
-            self.expected[req.request_id] = e[: len(plan.candidates)]
+    def extend_context(self, plan: RoundPlan, staged: dict[str, Tensor], batch: SlotBatch, features: Tensor,
+                       walk, counts: list[int], slots: list[int]) -> None:
+        """The accepted nodes' features into the drafter's context: appended now for rows that
+        drafted, held back (DeferredContext) for rows that took a plain AR step."""
+        if plan.drafting:
+            if "draft_rows" in staged:
+                rows = staged["draft_rows"]
+                sub = self._draft_batch(batch, plan, staged)
+                feats, path = features.index_select(0, rows), walk.path.index_select(0, rows)
+                kept = [counts[i] for i in plan.draft_rows]
+            else:
+                sub, feats, path, kept = batch, features, walk.path, counts
+            dctx = ForwardContext.block(self.draft_cache, sub, path.shape[1])
+            self.drafter.add_context(dctx, gather_nodes(feats, path))
+            self.draft_cache.commit(dctx, kept)
+        if "idle_rows" in staged:
+            self.deferred.park(staged["idle_slots"], staged["idle_pos"],
+                               features.index_select(0, staged["idle_rows"])[:, 0])
+            for i, m in enumerate(plan.modes):
+                if m == AR:
+                    self.deferred.counts[slots[i]] += 1
 
 
-class AutoPlan:
-    """One auto-sized round: its budget, and the expected accepts it reads back: one column per
-    candidate budget <= cap, then the used budget's (for calibration)."""
-
-    def __init__(self, auto: AutoBudget, cap: int, budget: int) -> None:
-        self.budget = budget
-        self.candidates = [b for b in auto.candidates if b <= cap]
-        self.used = len(self.candidates)
-        self.expected: Tensor | None = None  # [R, len(candidates) + 1]
+def scored_chain(roots: Tensor, logits: Tensor) -> TreeSpec:
+    """build_chain with prefix scores (the summed top-1 log-probs), so it mixes with trees."""
+    spec = build_chain(roots, logits)
+    lp = logits.float()
+    top = (lp.amax(-1) - torch.logsumexp(lp, -1)).cumsum(1)
+    spec.scores = torch.cat([torch.zeros_like(top[:, :1]), top], 1)
+    return spec
 
 
 def gather_nodes(x: Tensor, path: Tensor) -> Tensor:

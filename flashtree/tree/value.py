@@ -1,0 +1,78 @@
+"""What a draft tree is worth: each node's chance of being accepted, as the drafter sees it and
+corrected by a calibration table, summed into expected acceptance per tree size.
+
+Under the drafter's own distribution a node is reached with its prefix probability exp(score).
+The drafter misjudges that in a way that depends on where the node sits (DESIGN.md: the spine
+of top-1 children holds up far better than a branch taken after a sibling), so a node's value is
+min(1, beta[depth, kind] * exp(score)), kind 0 on the spine and 1 off it. Everything here is
+batched tensor code with no host read; the engine learns beta from what the target accepted.
+"""
+import torch
+from torch import Tensor
+
+from flashtree.tree.spec import TreeSpec
+
+SPINE, BRANCH = 0, 1
+
+
+def spine_mask(spec: TreeSpec) -> Tensor:
+    """[R, N] bool: the node and every ancestor are their parent's best child (highest score; on
+    equal scores the lower index, which is the builders' tie order). The root is on the spine."""
+    R, N = spec.tokens.shape
+    if spec.is_chain:
+        return torch.ones(R, N, dtype=torch.bool, device=spec.tokens.device)
+    idx = torch.arange(N, device=spec.tokens.device).expand(R, N)
+    real = (spec.tokens >= 0) & (idx > 0)  # drafted nodes; the root is nobody's child
+    parent = spec.parents.expand(R, N).clamp(min=0)
+    score = torch.where(real, spec.scores, float("-inf"))
+    best = torch.full((R, N), float("-inf"), device=score.device).scatter_reduce(1, parent, score, "amax")
+    top = (score == best.gather(1, parent)) & real
+    first = torch.full((R, N), N, device=score.device).scatter_reduce(1, parent, torch.where(top, idx, N), "amin")
+    is_best = (first.gather(1, parent) == idx) | (idx == 0)
+    on = is_best
+    for _ in range(spec.depth_bound):  # a node is on the spine when its parent is, too
+        on = is_best & on.gather(1, parent)
+    return on
+
+
+def node_kinds(spec: TreeSpec) -> Tensor:
+    """[R, N] int64: SPINE or BRANCH for every node."""
+    return torch.where(spine_mask(spec), SPINE, BRANCH)
+
+
+def node_values(spec: TreeSpec, kinds: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
+    """(raw, calibrated) [R, N]: exp(score) and min(1, beta[r, depth-1, kind] * exp(score)) for
+    drafted nodes; 0 for the root and padding. beta [R, D, 2] covers depths 1..D."""
+    R, N = spec.tokens.shape
+    drafted = (spec.tokens >= 0) & (torch.arange(N, device=kinds.device) > 0)
+    raw = torch.where(drafted, spec.scores.exp(), 0.0)
+    D = beta.shape[1]
+    depth = (spec.depths.expand(R, N) - 1).clamp(0, D - 1)
+    b = beta.gather(1, depth[..., None].expand(R, N, 2)).gather(2, kinds[..., None])[..., 0]
+    return raw, torch.where(drafted, (b * raw).clamp(max=1.0), 0.0)
+
+
+def value_curve(spec: TreeSpec, values: Tensor) -> Tensor:
+    """[R, N-1]: entry b-1 = summed value of the top-b subtree (the top-b nodes by score in the
+    builders' tie order, which is exactly the tree a budget-b build gives)."""
+    scores = torch.where(spec.tokens >= 0, spec.scores, float("-inf"))[:, 1:]
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+    return values[:, 1:].gather(1, order).cumsum(1)
+
+
+def depth_mass(spec: TreeSpec, kinds: Tensor, raw: Tensor, depth: int) -> Tensor:
+    """[R, depth, 2]: summed raw reach probability of the drafted nodes at each depth and kind,
+    the drafter's prediction of how many nodes of that depth and kind the walk accepts."""
+    R, N = spec.tokens.shape
+    d = (spec.depths.expand(R, N) - 1).clamp(0, depth - 1)
+    out = torch.zeros(R, depth * 2, device=raw.device, dtype=raw.dtype)
+    return out.scatter_add_(1, d * 2 + kinds, raw).view(R, depth, 2)
+
+
+def first_branch(kinds: Tensor, path: Tensor) -> Tensor:
+    """[R]: depth of the first accepted node off the spine (path.shape[1] when there is none).
+    path [R, A]: the accept walk's node indices, -1 past the accepted ones."""
+    A = path.shape[1]
+    off = (kinds.gather(1, path.clamp(min=0)) == BRANCH) & (path >= 0)
+    steps = torch.arange(A, device=path.device)
+    return torch.where(off, steps, A).amin(1)
