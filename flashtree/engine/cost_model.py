@@ -44,12 +44,23 @@ def _bracket(points: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 
 
 class Grid:
-    """Seconds over a 2-D grid of bucket points (each axis at least 2 points), bilinear."""
+    """Seconds over a 2-D grid of bucket points (each axis at least 2 points), bilinear.
 
-    def __init__(self, xs, ys, values) -> None:
+    `monotone` names the axes along which cost cannot fall (more rows, a wider window); after
+    every change each point is capped by the larger ones, because noise only ever adds time.
+    """
+
+    def __init__(self, xs, ys, values, monotone: tuple[int, ...] = (0, 1)) -> None:
         self.xs = np.asarray(xs, dtype=float)
         self.ys = np.asarray(ys, dtype=float)
         self.values = np.asarray(values, dtype=float).reshape(len(self.xs), len(self.ys))
+        self.monotone = tuple(monotone)
+        self._project()
+
+    def _project(self) -> None:
+        for axis in self.monotone:
+            flipped = np.flip(self.values, axis)
+            self.values = np.flip(np.minimum.accumulate(flipped, axis=axis), axis).copy()
 
     def __call__(self, x, y):
         x, y = np.broadcast_arrays(np.asarray(x, dtype=float), np.asarray(y, dtype=float))
@@ -74,13 +85,15 @@ class Grid:
         norm = sum(w * w for w in weights.values())
         for (a, b), w in weights.items():
             self.values[a, b] = max(0.0, self.values[a, b] + rate * err * w / norm)
+        self._project()
 
     def as_dict(self) -> dict:
-        return {"xs": self.xs.tolist(), "ys": self.ys.tolist(), "values": self.values.tolist()}
+        return {"xs": self.xs.tolist(), "ys": self.ys.tolist(), "values": self.values.tolist(),
+                "monotone": list(self.monotone)}
 
     @classmethod
     def from_dict(cls, d: dict) -> Grid:
-        return cls(d["xs"], d["ys"], d["values"])
+        return cls(d["xs"], d["ys"], d["values"], tuple(d.get("monotone", (0, 1))))
 
 
 def row_points(max_rows: int) -> list[int]:
@@ -393,10 +406,7 @@ def _tables(v, body, head, tr, chain_cost, rows_max, windows, budgets, depth, ma
             ratio = _clamped(at_max, n) if at_max else 1.0
             frac = (r - 1) / (rows_max - 1) if rows_max > 1 else 0.0
             values[a, b] = v.get((r, n), derived(r, n) * (1 + (ratio - 1) * frac))
-    # Monotone in both directions, by the same rule as _floor.
-    values = np.minimum.accumulate(values[:, ::-1], axis=1)[:, ::-1]
-    values = np.minimum.accumulate(values[::-1], axis=0)[::-1]
-    verify = Grid(rows, windows, values)
+    verify = Grid(rows, windows, values)  # made monotone in both directions, by the rule of _floor
     draft_rows = sorted(body)
     if len(draft_rows) == 1:
         draft_rows = [draft_rows[0], draft_rows[0] + 1]
@@ -411,7 +421,7 @@ def _tables(v, body, head, tr, chain_cost, rows_max, windows, budgets, depth, ma
         pts = _floor(pts) if pts else {tb[0]: chain_cost}
         tvals.append([max(chain_cost, _interp(pts, b)) for b in tb])
     tree = Grid(tree_rows, tb, tvals)
-    overhead = Grid(rows, [0, 1], np.zeros((len(rows), 2)))
+    overhead = Grid(rows, [0, 1], np.zeros((len(rows), 2)), monotone=(0,))
     return CostModel(verify, draft, tree, overhead, {"rows": rows_max, "window": max_window, "budget": max_budget},
                      seconds=seconds)
 
