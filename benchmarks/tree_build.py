@@ -1,18 +1,21 @@
 """Cost of build_tree against the floor it cannot beat: log_softmax + topk(B) over the same logits.
 
     OMP_NUM_THREADS=1 python benchmarks/tree_build.py --vocab 151936 --budgets 16 64 --rows 1 8
-    OMP_NUM_THREADS=1 python benchmarks/tree_build.py --vocab 4096 --budgets 16 64 --rows 1
+    OMP_NUM_THREADS=1 python benchmarks/tree_build.py --vocab 4096 --budgets 16 64 --rows 1 --peak 8
 
-Every repeat times the floor and the build back to back on the same logits (interleaved, so load
-from other jobs hits both alike) and each keeps its best time. `ratio` = build / floor;
-`build/R` shows whether the build grows linearly in the number of rows. `--bf16` rounds the
-logits to bfloat16 first, as a bf16 LM head would: many exact ties, the case the exact tie rule
-exists for.
+Every repeat times the floor and the builds back to back on the same logits (interleaved, so load
+from other jobs hits all alike) and each keeps its best time. `ratio` = build / floor; `build/R`
+shows whether the build grows linearly in the number of rows; `static` is build_tree(...,
+prune=False), the no-host-read form a compiled caller uses. `--against FILE` also times the
+build_tree of another build.py, e.g. an older one from `git show REV:flashtree/tree/build.py`.
+`--bf16` rounds the logits to bfloat16 first, as a bf16 LM head would (many exact ties); `--peak P`
+adds P to one token per depth, so trees go deep as with a confident drafter.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
 
 import torch
@@ -42,32 +45,42 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--scale", type=float, default=3.0, help="logit standard deviation")
     ap.add_argument("--bf16", action="store_true", help="round the logits to bfloat16 (many exact ties)")
+    ap.add_argument("--peak", type=float, default=0.0, help="added to token 0 at every depth")
+    ap.add_argument("--against", help="another build.py whose build_tree is timed too")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    other = None
+    if args.against:
+        spec = importlib.util.spec_from_file_location("other_build", args.against)
+        other = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(other)
 
-    print(f"V={args.vocab} D={args.depth} threads={args.threads} best of {args.reps}"
-          f"{' bf16-rounded logits' if args.bf16 else ''}")
-    print("| B | R | log_softmax+topk ms | build_tree ms | ratio | build/R ms |")
-    print("|---|---|---|---|---|---|")
+    print(f"V={args.vocab} D={args.depth} threads={args.threads} best of {args.reps}, logit std {args.scale}"
+          f"{f', peak +{args.peak}' if args.peak else ''}{', bf16-rounded' if args.bf16 else ''}")
+    head = "| B | R | log_softmax+topk ms | build_tree ms | ratio | build/R ms | static ms | static ratio |"
+    print(head + (" against ms | against ratio |" if other else ""))
+    print("|---" * (head.count("|") - 1 + (2 if other else 0)) + "|")
     g = torch.Generator().manual_seed(0)
     for budget in args.budgets:
         for rows in args.rows:
             logits = torch.randn(rows, args.depth, args.vocab, generator=g) * args.scale
+            logits[:, :, 0] += args.peak
             if args.bf16:
                 logits = logits.bfloat16()
             roots = torch.zeros(rows, dtype=torch.long)
-
-            def floor() -> None:
-                torch.log_softmax(logits.float(), -1).topk(budget, -1)
-
-            def build() -> None:
-                build_tree(roots, logits, budget)
-
+            fns = [
+                lambda: torch.log_softmax(logits.float(), -1).topk(budget, -1),
+                lambda: build_tree(roots, logits, budget),
+                lambda: build_tree(roots, logits, budget, prune=False),
+            ]
+            if other:
+                fns.append(lambda: other.build_tree(roots, logits, budget))
             with torch.inference_mode():
-                t_floor, t_build = best_ms([floor, build], args.reps)
-            print(f"| {budget} | {rows} | {t_floor:.2f} | {t_build:.2f} | {t_build / t_floor:.2f} "
-                  f"| {t_build / rows:.2f} |")
+                t = best_ms(fns, args.reps)
+            row = (f"| {budget} | {rows} | {t[0]:.2f} | {t[1]:.2f} | {t[1] / t[0]:.2f} | {t[1] / rows:.2f} "
+                   f"| {t[2]:.2f} | {t[2] / t[0]:.2f} |")
+            print(row + (f" {t[3]:.2f} | {t[3] / t[0]:.2f} |" if other else ""))
 
 
 if __name__ == "__main__":

@@ -1,17 +1,11 @@
-"""Sampling parameters and the target's per-node token choice.
+"""Sampling parameters: the public, per-request description of how to pick tokens.
 
-The accept walk is lossless for any rule that picks each node's token from the target's
-distribution at that node independently, so the engine samples once per tree node and
-follows matching children. The distribution is the one AR decoding would sample from:
-logits / temperature, then top-k, then top-p.
+The hot-path sampler that applies them lives in flashtree/sampler.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
-from torch import Tensor
 
 from flashtree.errors import FlashtreeError
 
@@ -24,7 +18,7 @@ class SamplingParams:
     max_tokens: int = 128
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
-    seed: int | None = None
+    seed: int | None = None  # same seed -> same text, whatever the method, budget or batch
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
@@ -40,49 +34,9 @@ class SamplingParams:
             raise FlashtreeError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise FlashtreeError("stop strings must not be empty")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise FlashtreeError(f"seed must be an integer or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        """A private RNG per request, so a seeded request samples the same under any batch."""
-        if self.greedy:
-            return None
-        g = torch.Generator(device=device)
-        if self.seed is None:
-            g.seed()
-        else:
-            g.manual_seed(self.seed)
-        return g
-
-
-def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
-    """The target's sampling distribution [..., V] for one request's logits [..., V]."""
-    x = logits.float() / params.temperature
-    if params.top_k > 0 and params.top_k < x.shape[-1]:
-        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
-        sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One independent draw per row of probs [..., V] (exponential race: argmax p / E)."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / noise).argmax(-1)
-
-
-def pick_tokens(logits: Tensor, params: list[SamplingParams], generators: list) -> Tensor:
-    """The target's token at every node: logits [R, N, V] -> [R, N]."""
-    picks = logits.argmax(-1)
-    for r, p in enumerate(params):
-        if not p.greedy:
-            picks[r] = sample(probabilities(logits[r], p), generators[r])
-    return picks

@@ -22,8 +22,9 @@ from typing import Callable
 import torch
 
 from flashtree.bench.metrics import interpolate
+from flashtree import sampler
 from flashtree.models.context import ForwardContext
-from flashtree.sampling import SamplingParams, pick_tokens
+from flashtree.sampling import SamplingParams
 from flashtree.tree import TreeSpec, build_tree, chain_spec
 
 DEFAULT_DEPTH = 15  # draft depth when no drafter is loaded (a 16-token DFlash block)
@@ -114,7 +115,6 @@ def measure_cost_curve(target, drafter, tree_sizes: list[int], chain_sizes: list
     cache.v.normal_()
     cache.set_length(0, context_len)
     params = {str(float(t)): SamplingParams(temperature=float(t), seed=0) for t in temperatures}
-    gens = {k: p.generator(device) for k, p in params.items()}
     fwd: dict[int, list[float]] = {i: [] for i in range(len(specs))}
     pick: dict[int, dict[str, list[float]]] = {i: {k: [] for k in params} for i in range(len(specs))}
     for i, (_, _, spec) in enumerate(specs):
@@ -128,7 +128,7 @@ def measure_cost_curve(target, drafter, tree_sizes: list[int], chain_sizes: list
             picked = {}
             for k, p in params.items():
                 s0 = time.perf_counter()
-                pick_tokens(out.logits, [p], [gens[k]])
+                sampler.pick(out.logits, sampler.SamplingBatch.build([p], [0], device), ctx.positions + 1, spec.depth_bound + 1)
                 _sync(device)
                 picked[k] = time.perf_counter() - s0
             if rep >= warmup:

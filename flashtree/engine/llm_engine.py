@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 
@@ -15,7 +14,8 @@ from flashtree.engine.scheduler import Scheduler
 from flashtree.engine.sequence import STAGES, Request, Status
 from flashtree.errors import FlashtreeError, PromptTooLong
 from flashtree.models.dflash import load_drafter
-from flashtree.models.loader import load_target, parse_dtype
+from flashtree.models.loader import eos_token_ids, load_target, parse_dtype
+from flashtree.sampler import fresh_seed
 from flashtree.sampling import SamplingParams
 
 
@@ -96,14 +96,11 @@ class LLMEngine:
         self.last_round: RoundInfo | None = None
 
     def _eos_ids(self) -> set[int]:
-        ids = set()
+        """The tokenizer's EOS and the checkpoint's (generation_config.json through transformers'
+        GenerationConfig, and config.json)."""
+        ids = eos_token_ids(self.target)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
-        for name in ("config.json", "generation_config.json"):
-            file = self.target.source_dir / name
-            if file.is_file():
-                eos = json.loads(file.read_text()).get("eos_token_id")
-                ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         return ids
 
     # ---- requests -------------------------------------------------------------------------
@@ -112,7 +109,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise FlashtreeError("this target ships no tokenizer; pass token id lists instead of text")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            # The tokenizer's own special tokens (Llama's BOS), unless the text already starts with
+            # them, as a chat template renders it; token-id prompts are taken as given.
+            bos = self.tokenizer.bos_token
+            ids = self.tokenizer.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))
         else:
             ids = list(prompt)
         if not ids:
@@ -156,7 +156,7 @@ class LLMEngine:
         req = Request(ids, params)
         if request_id is not None:
             req.request_id = request_id
-        req.generator = params.generator(self.device)
+        req.seed = fresh_seed() if params.seed is None else params.seed
         self.scheduler.add(req)
         return req
 

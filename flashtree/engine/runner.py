@@ -27,7 +27,7 @@ from flashtree.engine.sequence import Request
 from flashtree.engine.staging import Staging
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
-from flashtree.sampling import pick_tokens
+from flashtree.sampler import SamplingBatch, pick
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
 from flashtree.tree.mix import cat_rows, pad_spec, place_rows, root_only
 from flashtree.tree.value import depth_mass, first_branch, node_kinds, node_values, value_curve
@@ -127,7 +127,8 @@ class ModelRunner:
             dctx = ForwardContext.block(self.draft_cache, batch, n)
             self.drafter.add_context(dctx, out.features)
             self.draft_cache.commit(dctx, [n])
-        return int(pick_tokens(out.logits, [req.params], [req.generator])[0, -1])
+        sampling = SamplingBatch.build([req.params], [req.seed], self.device)
+        return int(pick(out.logits[:, -1:], sampling, torch.full((1, 1), n, device=self.device))[0, 0])
 
     @torch.inference_mode()
     def step(self, reqs: list[Request]) -> tuple[list[list[int]], dict[str, float]]:
@@ -137,6 +138,7 @@ class ModelRunner:
         slots = [r.slot for r in reqs]
         plan = self.plan(reqs)
         batch, roots = self.inputs.upload(slots, [self.cache.lengths[s] for s in slots], [r.bonus for r in reqs])
+        sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device)
         staged, flush = self.stage(plan, slots)
         if flush:
             with self.clock.stage("draft"):
@@ -145,7 +147,7 @@ class ModelRunner:
         with self.clock.stage("verify"):
             ctx = ForwardContext.verify(self.cache, batch, spec)
             out = self.target(spec.tokens.clamp(min=0), ctx, self.feature_layers)
-            picks = pick_tokens(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
+            picks = pick(out.logits, sampling, ctx.positions + 1, spec.depth_bound + 1)
         with self.clock.stage("commit"):
             walk = accept_walk(spec, picks)
             extras = self.round_extras(plan, values, walk, staged)

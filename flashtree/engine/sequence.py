@@ -7,8 +7,6 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from flashtree.sampling import SamplingParams
 
 STAGES = ("prefill", "draft", "tree", "verify", "commit")
@@ -77,7 +75,7 @@ class Request:
     prefix_offset: int = 0  # incremental detokenization window: ids[prefix_offset:read_offset]
     read_offset: int = 0  # was decoded last round
     stats: RequestStats = field(default_factory=RequestStats)
-    generator: torch.Generator | None = None
+    seed: int = 0  # keys the sampling noise: params.seed, or fresh random bits (set by add_request)
 
     @property
     def finished(self) -> bool:

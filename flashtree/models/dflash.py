@@ -52,40 +52,42 @@ class DFlashArgs:
     attention_bias: bool = False
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "DFlashArgs":
-        dcfg = cfg.get("dflash_config") or {}
-        layers = cfg["num_hidden_layers"]
-        block = dcfg.get("block_size", cfg.get("block_size"))
+    def from_hf(cls, config) -> "DFlashArgs":
+        """From the drafter's config as transformers reads it (a Qwen3 config); the DFlash fields,
+        which transformers does not know, ride along as extra attributes and are read here."""
+        dcfg = getattr(config, "dflash_config", None) or {}
+        layers = config.num_hidden_layers
+        block = dcfg.get("block_size", getattr(config, "block_size", None))
         if block is None:
             raise FlashtreeError("drafter config.json has no block_size (top level or in dflash_config)")
-        mask = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
+        mask = dcfg.get("mask_token_id", getattr(config, "mask_token_id", None))
         if mask is None:
             raise FlashtreeError("drafter config.json has no dflash_config.mask_token_id")
-        num_target = cfg.get("num_target_layers")
+        num_target = getattr(config, "num_target_layers", None)
         ids = dcfg.get("target_layer_ids")
         if ids is None:
             if num_target is None:
                 raise FlashtreeError("drafter config.json needs dflash_config.target_layer_ids or num_target_layers")
             ids = default_target_layer_ids(num_target, layers)
-        heads = cfg["num_attention_heads"]
-        layer_types = cfg.get("layer_types") or ["full_attention"] * layers
+        heads = config.num_attention_heads
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * layers
         return cls(
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
             block_size=int(block),
             target_layer_ids=list(ids),
             mask_token_id=int(mask),
             num_target_layers=num_target if num_target is not None else max(ids) + 1,
-            vocab_size=cfg.get("vocab_size", 0),
-            rope=rope_parameters(cfg),
+            vocab_size=getattr(config, "vocab_size", None) or 0,
+            rope=rope_parameters(config),
             layer_types=list(layer_types),
-            sliding_window=cfg.get("sliding_window"),
-            attention_bias=cfg.get("attention_bias", False),
+            sliding_window=getattr(config, "sliding_window", None),
+            attention_bias=bool(getattr(config, "attention_bias", False)),
         )
 
     @property
@@ -100,21 +102,29 @@ class DFlashArgs:
 
 
 class DraftAttention(Attention):
-    """Qwen3 attention projections (q/k norms included); K/V also come from the cached context."""
+    """Qwen3 attention projections (q/k/v fused, q/k norms); K/V also come from the cached context.
+
+    The block needs q, k and v (one matmul); the context needs only k and v, which are the
+    trailing rows of the fused weight (one matmul over that contiguous slice, no wasted q).
+    """
 
     def kv(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """Rotated K and V [R, n, Hkv, D] for hidden states x [R, n, d]."""
-        r, n, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(r, n, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(r, n, self.num_kv_heads, self.head_dim)
+        k, v = self.qkv_proj.project(x, "k_proj", "v_proj").split(self.qkv_proj.sizes[1:], dim=-1)
+        return self.rotate_kv(k, v, rope)
+
+    def rotate_kv(self, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        r, n, _ = k.shape
+        k = self.k_norm(k.view(r, n, self.num_kv_heads, self.head_dim))
         k = apply_rotary(k.transpose(1, 2), *rope).transpose(1, 2)
-        return k, v
+        return k, v.view(r, n, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], ctx: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
         r, n, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(r, n, self.num_heads, self.head_dim))
+        q, k, v = self.qkv_proj(x)
+        q = self.q_norm(q.view(r, n, self.num_heads, self.head_dim))
         q = apply_rotary(q.transpose(1, 2), *rope)
-        k, v = self.kv(x, rope)
+        k, v = self.rotate_kv(k, v, rope)
         keys = torch.cat([ctx[0], k.transpose(1, 2)], dim=2)
         values = torch.cat([ctx[1], v.transpose(1, 2)], dim=2)
         out = attention(q, keys, values, mask, self.head_dim**-0.5)
@@ -209,19 +219,19 @@ class DFlashDrafter(nn.Module):
 
 
 def load_drafter(name_or_path, target: nn.Module, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
-    """Load a z-lab DFlash checkpoint and check that it fits `target`."""
-    from flashtree.models.loader import default_dtype, load_weights, read_config, read_weights, resolve
+    """Load a z-lab DFlash checkpoint (streamed in like a target) and check that it fits `target`."""
+    from flashtree.models.loader import default_dtype, load_checkpoint, meta_device, read_config, resolve
 
     path = resolve(name_or_path)
-    cfg = read_config(path)
-    archs = cfg.get("architectures") or []
+    config = read_config(path)
+    archs = getattr(config, "architectures", None) or []
     if "DFlashDraftModel" not in archs:
         raise FlashtreeError(f"{path} is not a DFlash drafter (architectures {archs}); expected DFlashDraftModel")
-    args = DFlashArgs.from_hf(cfg)
-    with default_dtype(dtype), torch.device(device):
+    args = DFlashArgs.from_hf(config)
+    with meta_device(), default_dtype(dtype):
         drafter = DFlashDrafter(args)
     drafter.check_target(target)
-    load_weights(drafter, read_weights(path))
+    load_checkpoint(drafter, path, torch.device(device))
     drafter.source_dir = path
     return drafter.eval()
 
@@ -263,15 +273,18 @@ def drafter_config(args: DFlashArgs, dtype: torch.dtype = torch.float32) -> dict
 
 
 def save_drafter(drafter: DFlashDrafter, out_dir) -> None:
-    """Write a z-lab format drafter directory (config.json + model.safetensors)."""
+    """Write a z-lab format drafter directory (config.json + model.safetensors), with q/k/v and
+    gate/up stored apart as the hub layout has them."""
     import json
     from pathlib import Path
 
     from safetensors.torch import save_file
 
+    from flashtree.models.loader import hub_state_dict
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in hub_state_dict(drafter).items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = drafter_config(drafter.args, drafter.fc.weight.dtype)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

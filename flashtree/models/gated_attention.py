@@ -6,31 +6,33 @@ import torch
 from torch import Tensor, nn
 
 from flashtree.models.context import ForwardContext
-from flashtree.models.layers import apply_rotary, attention
+from flashtree.models.layers import MergedLinear, apply_rotary, attention
 from flashtree.models.qwen3_5_args import Qwen35Args
 from flashtree.models.qwen3_5_norms import ZeroCentredRMSNorm
 
 
 class GatedAttention(nn.Module):
-    """Full attention with q/k norm, partial RoPE and a sigmoid output gate from q_proj."""
+    """Full attention with q/k norm, partial RoPE and a sigmoid output gate from q_proj; q (with its
+    gate), k and v come out of one matmul."""
 
     def __init__(self, args: Qwen35Args, index: int) -> None:
         super().__init__()
         d, hd, bias = args.hidden_size, args.head_dim, args.attention_bias
         self.index = index  # which attention layer: row of the cache's K/V
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, hd
-        self.q_proj = nn.Linear(d, args.num_heads * hd * 2, bias=bias)
-        self.k_proj = nn.Linear(d, args.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(d, args.num_kv_heads * hd, bias=bias)
+        # q_proj holds each head's query and output gate: [H, 2, hd] rows.
+        self.qkv_proj = MergedLinear(d, [("q_proj", args.num_heads * hd * 2), ("k_proj", args.num_kv_heads * hd),
+                                         ("v_proj", args.num_kv_heads * hd)], bias=bias)
         self.o_proj = nn.Linear(args.num_heads * hd, d, bias=bias)
         self.q_norm = ZeroCentredRMSNorm(hd, args.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(hd, args.rms_norm_eps)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], ctx: ForwardContext) -> Tensor:
         r, n, _ = x.shape
-        q, gate = self.q_proj(x).view(r, n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        k = self.k_proj(x).view(r, n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(r, n, self.num_kv_heads, self.head_dim)
+        qg, k, v = self.qkv_proj(x)
+        q, gate = qg.view(r, n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = k.view(r, n, self.num_kv_heads, self.head_dim)
+        v = v.view(r, n, self.num_kv_heads, self.head_dim)
         q = apply_rotary(self.q_norm(q).transpose(1, 2), *rope)
         k = apply_rotary(self.k_norm(k).transpose(1, 2), *rope)
         ctx.cache.write(self.index, ctx, k.transpose(1, 2), v)

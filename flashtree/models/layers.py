@@ -25,34 +25,96 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def linear_init(out_features: int, in_features: int, *lead: int, bias: bool = False) -> Tensor:
+    """nn.Linear's default init (uniform in +-1/sqrt(fan_in)) for a [*lead, out, in] weight or its bias;
+    free on the meta device, where the loader builds models."""
+    shape = (*lead, out_features) if bias else (*lead, out_features, in_features)
+    bound = 1.0 / math.sqrt(in_features)
+    return nn.init.uniform_(torch.empty(shape), -bound, bound)
+
+
+class MergedLinear(nn.Module):
+    """Several projections of the same input as one matmul (q/k/v, gate/up), as gpt-fast fuses them.
+
+    `parts` names each projection as the checkpoint does, relative to this module's parent
+    (e.g. ("q_proj", 4096)), with its output size. The weight stacks them along dim 0 in that
+    order, so the loader places checkpoint tensor `<parent>.q_proj.weight` at rows
+    `offset("q_proj")` (`checkpoint_layout`), and `hub_state` splits it back for writing
+    checkpoints. Tensor parallelism shards every part alike: rank r keeps rows
+    [r * size / N, (r + 1) * size / N) of each part, so the parts stay in order.
+    """
+
+    def __init__(self, in_features: int, parts: list[tuple[str, int]], bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.parts = [name for name, _ in parts]
+        self.sizes = [size for _, size in parts]
+        self.weight = nn.Parameter(linear_init(sum(self.sizes), in_features))
+        self.bias = nn.Parameter(linear_init(sum(self.sizes), in_features, bias=True)) if bias else None
+
+    def offset(self, part: str) -> slice:
+        """The rows of `part` in the stacked weight."""
+        i = self.parts.index(part)
+        start = sum(self.sizes[:i])
+        return slice(start, start + self.sizes[i])
+
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        """Every part's output, split from one matmul (views of one tensor)."""
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+    def project(self, x: Tensor, first: str, last: str | None = None) -> Tensor:
+        """Only the consecutive parts first..last, one matmul over their rows (a contiguous slice)."""
+        rows = slice(self.offset(first).start, self.offset(last or first).stop)
+        bias = None if self.bias is None else self.bias[rows]
+        return F.linear(x, self.weight[rows], bias)
+
+    def checkpoint_layout(self, prefix: str) -> dict[str, tuple[str, tuple]]:
+        """Checkpoint name -> (own parameter, index) for each part; `prefix` is this module's name
+        with its dot, and the parts are stored beside it (`...self_attn.q_proj.weight`)."""
+        parent = prefix[: prefix[:-1].rfind(".") + 1]
+        out = {}
+        for part in self.parts:
+            rows = self.offset(part)
+            out[f"{parent}{part}.weight"] = ("weight", (rows,))
+            if self.bias is not None:
+                out[f"{parent}{part}.bias"] = ("bias", (rows,))
+        return out
+
+    def hub_state(self, prefix: str) -> dict[str, Tensor]:
+        """The parts under the checkpoint's names (the inverse of `checkpoint_layout`), for writing."""
+        return {name: getattr(self, attr)[index] for name, (attr, index) in self.checkpoint_layout(prefix).items()}
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, parts={dict(zip(self.parts, self.sizes))}, bias={self.bias is not None}"
+
+
 class MLP(nn.Module):
-    """SwiGLU feed-forward block (Llama / Qwen)."""
+    """SwiGLU feed-forward block (Llama / Qwen), gate and up fused into one matmul."""
 
     def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
-        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.gate_up_proj = MergedLinear(dim, [("gate_proj", hidden), ("up_proj", hidden)], bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
-def rope_parameters(cfg: dict) -> dict:
-    """RoPE settings from a config.json in either layout.
+def rope_parameters(config) -> dict:
+    """RoPE settings of a transformers config (or a raw config.json dict), in either layout.
 
-    transformers 4.x writes `rope_theta` + `rope_scaling` at the top level; 5.x writes
-    `rope_parameters`. Both occur on the hub, so both are read.
+    transformers 5.x standardises every config to `rope_parameters`; 4.x and many hub files
+    write `rope_theta` + `rope_scaling` at the top level. A raw dict (a model type the installed
+    transformers does not know) can hold either, so both are read.
     """
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling") or {}
-    params = {**scaling, **params}
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    params = {**(get("rope_scaling") or {}), **(get("rope_parameters") or {})}
     if "rope_theta" not in params:
-        params["rope_theta"] = cfg.get("rope_theta", 10000.0)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    params["rope_type"] = rope_type
-    if "partial_rotary_factor" not in params and "partial_rotary_factor" in cfg:
-        params["partial_rotary_factor"] = cfg["partial_rotary_factor"]
+        params["rope_theta"] = get("rope_theta", 10000.0)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if "partial_rotary_factor" not in params and get("partial_rotary_factor") is not None:
+        params["partial_rotary_factor"] = get("partial_rotary_factor")
     return params
 
 
@@ -61,7 +123,8 @@ def inv_frequencies(head_dim: int, params: dict) -> Tensor:
     rot_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
     base = float(params["rope_theta"])
     # float32 throughout, as HF computes it, so logits match bit for bit where they can.
-    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+    # On the CPU explicitly: models are built on the meta device, and these are not weights to load.
+    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64, device="cpu").float() / rot_dim))
     kind = params["rope_type"]
     if kind == "default":
         return inv_freq
@@ -86,7 +149,8 @@ class Rotary(nn.Module):
     """cos/sin for arbitrary (tree) positions, computed per forward from the positions.
 
     The frequencies are kept in float32 outside the state dict, so casting the model to
-    bf16 does not round them.
+    bf16 does not round them, and a model built on the meta device still has them (on the
+    CPU; the first forward moves them to the positions' device).
     """
 
     def __init__(self, head_dim: int, params: dict) -> None:

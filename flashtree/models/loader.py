@@ -1,20 +1,42 @@
-"""HF checkpoint directory or hub id -> config dict + safetensors weights -> our modules."""
+"""HF checkpoint directory or hub id -> transformers config -> our module, filled tensor by tensor.
+
+Loading holds the model plus a bounded window of one shard on the host, never a second copy:
+1. the config comes from transformers (AutoConfig, GenerationConfig);
+2. the model is built on the meta device, so construction allocates nothing;
+3. every checkpoint tensor is checked against the model by its safetensors header alone
+   (name, shape), so a wrong checkpoint fails before any weight is read;
+4. each parameter is allocated once, on its device and in its dtype, and every checkpoint
+   tensor is copied straight into its place from safetensors' memory map, shard by shard:
+   the whole tensor, or its rows of a fused projection (`MergedLinear`), or its expert of a
+   stacked MoE weight (`Experts`). Modules with such layouts describe them with
+   `checkpoint_layout(prefix)`; `hub_state_dict` inverts it to write checkpoints.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-from torch import nn
+from torch import Tensor, nn
 
 from flashtree.errors import FlashtreeError
 
+log = logging.getLogger(__name__)
+
 WEIGHT_PREFIXES = ("model.language_model.", "model.")
+IGNORED = ("mtp.", "visual.")  # multi-token-prediction heads and vision towers: not ours to run
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt", "*.model"]
+MAP_BUDGET = 64 << 20  # at most this many bytes of a shard mapped at a time (see ShardReader)
+MIN_MAP_BUDGET = 1 << 20
+DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2}
+
+
+# ---- where a checkpoint is ---------------------------------------------------------------------
 
 
 def resolve(name_or_path: str | os.PathLike) -> Path:
@@ -40,63 +62,80 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
         ) from None
 
 
-def read_config(path: Path) -> dict:
-    with open(path / "config.json") as f:
-        cfg = json.load(f)
-    # Multimodal wrappers (e.g. Qwen3.5) keep the language model's config under text_config.
-    if "text_config" in cfg and "num_hidden_layers" not in cfg:
-        text = dict(cfg["text_config"])
-        text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
-        return text
-    return cfg
+# ---- configs through transformers ----------------------------------------------------------------
 
 
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a single-file or sharded (index json) safetensors checkpoint."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise FlashtreeError(f"{path} has no *.safetensors weights; convert the checkpoint to safetensors")
-    weights: dict[str, torch.Tensor] = {}
-    for name in files:
-        weights.update(load_file(str(path / name)))
-    return weights
+def read_config(path: Path):
+    """The checkpoint's config as transformers reads it (both rope layouts, attribute aliases such
+    as num_local_experts, the multimodal text_config wrapper). A model type the installed
+    transformers does not know falls back to a plain PretrainedConfig over the raw json."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except (ValueError, KeyError, TypeError) as e:
+        try:
+            raw = json.loads((path / "config.json").read_text())
+        except json.JSONDecodeError as bad:
+            raise FlashtreeError(f"{path / 'config.json'} is not valid JSON ({bad})") from None
+        log.warning("transformers cannot read %s (%s); reading its config.json as it is",
+                    path / "config.json", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        config = PretrainedConfig(**{k: v for k, v in raw.items() if k != "text_config"})
+        if isinstance(raw.get("text_config"), dict):  # get_text_config() then returns it
+            config.text_config = PretrainedConfig(**raw["text_config"])
+        return config
 
 
-def strip_prefix(name: str) -> str:
-    for prefix in WEIGHT_PREFIXES:
-        if name.startswith(prefix):
-            return name[len(prefix):]
-    return name
+def text_config(config):
+    """The language model's config: `text_config` of a multimodal wrapper (Qwen3.5/3.6), else itself."""
+    return config.get_text_config()
 
 
-def load_weights(model: nn.Module, weights: dict[str, torch.Tensor], tied: bool = False) -> None:
-    """Copy checkpoint tensors into `model`, naming any missing or unexpected weight."""
-    state = {strip_prefix(k): v for k, v in weights.items()}
-    if tied:
-        state.pop("lm_head.weight", None)
-    own = dict(model.state_dict())
-    if tied:
-        own.pop("lm_head.weight", None)
-    missing = sorted(set(own) - set(state))
-    # Multi-token-prediction heads and the vision tower of multimodal checkpoints are not ours to run.
-    unexpected = sorted(k for k in set(state) - set(own) if not k.startswith(("mtp.", "visual.")))
-    if missing or unexpected:
-        raise FlashtreeError(
-            f"checkpoint does not match the {type(model).__name__} architecture: "
-            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-        )
-    with torch.no_grad():
-        for k, tensor in own.items():
-            src = state[k]
-            if src.shape != tensor.shape:
-                raise FlashtreeError(f"weight {k} has shape {tuple(src.shape)}, the config implies {tuple(tensor.shape)}")
-            tensor.copy_(src)
+def tied_embeddings(config) -> bool:
+    """As transformers decides it: the top-level config's flag, for wrappers too."""
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def read_generation_config(path: Path, config):
+    """generation_config.json through transformers, or the defaults it derives from the model
+    config when the checkpoint ships none."""
+    from transformers import GenerationConfig
+
+    if (path / "generation_config.json").is_file():
+        try:
+            return GenerationConfig.from_pretrained(str(path))
+        except (OSError, ValueError) as e:
+            log.warning("ignoring %s: %s", path / "generation_config.json", e)
+    return GenerationConfig.from_model_config(text_config(config))
+
+
+def eos_token_ids(model: nn.Module) -> set[int]:
+    """EOS ids of a loaded target: its generation config's and its model config's, as a set."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), text_config(model.hf_config)):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    return ids
+
+
+# ---- building ------------------------------------------------------------------------------------
+
+
+@contextmanager
+def meta_device():
+    """Build modules on the meta device without running their initialisers: they would only fill
+    storage that does not exist (and torch's meta `normal_` imports torch._dynamo, seconds)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+             "xavier_normal_", "trunc_normal_", "zeros_", "ones_", "constant_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 @contextmanager
@@ -122,30 +161,282 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
     return table[dtype]
 
 
-def load_target(name_or_path: str | os.PathLike, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Build our own implementation of the target architecture and load its weights."""
-    path = resolve(name_or_path)
-    cfg = read_config(path)
-    with default_dtype(dtype), torch.device(device):
-        model = build_target(cfg)
-    weights = read_weights(path)
-    if hasattr(model, "convert_checkpoint"):  # checkpoint layouts that differ from the module's (Qwen3-Next)
-        weights = model.convert_checkpoint(weights)
-    load_weights(model, weights, tied=cfg.get("tie_word_embeddings", False))
-    model.source_dir = path
-    return model.eval()
-
-
-def build_target(cfg: dict) -> nn.Module:
-    model_type = cfg.get("model_type")
+def build_target(config) -> nn.Module:
+    """Our implementation of the config's architecture, with random (or, on meta, no) weights."""
+    text = text_config(config)
+    model_type = getattr(text, "model_type", None)
     if model_type in ("qwen3", "llama", "mistral"):
         from flashtree.models.transformer import Transformer, TransformerArgs
 
-        return Transformer(TransformerArgs.from_hf(cfg))
-    if model_type in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"):
+        args, cls = TransformerArgs.from_hf(text), Transformer
+    elif model_type == "qwen3_moe":
+        from flashtree.models.qwen3_moe import Qwen3Moe, Qwen3MoeArgs
+
+        args, cls = Qwen3MoeArgs.from_hf(text), Qwen3Moe
+    elif model_type in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"):
         from flashtree.models.qwen3_5 import Qwen35, Qwen35Args
 
-        return Qwen35(Qwen35Args.from_hf(cfg))
-    raise FlashtreeError(
-        f"unsupported target model_type {model_type!r}; flashtree runs qwen3, llama and qwen3_5 targets"
-    )
+        args, cls = Qwen35Args.from_hf(text), Qwen35
+    else:
+        raise FlashtreeError(
+            f"unsupported target model_type {model_type!r}; flashtree runs qwen3, qwen3_moe, llama and qwen3_5 targets"
+        )
+    args.tie_word_embeddings = tied_embeddings(config)
+    return cls(args)
+
+
+def load_target(name_or_path: str | os.PathLike, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Build our own implementation of the target architecture and stream its weights in."""
+    path = resolve(name_or_path)
+    config = read_config(path)
+    with meta_device(), default_dtype(dtype):
+        model = build_target(config)
+    load_checkpoint(model, path, torch.device(device), convert=getattr(model, "convert_checkpoint", None))
+    model.source_dir = path
+    model.hf_config = config
+    model.generation_config = read_generation_config(path, config)
+    return model.eval()
+
+
+# ---- the checkpoint's layout against the model's ---------------------------------------------------
+
+
+def strip_prefix(name: str) -> str:
+    for prefix in WEIGHT_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def checkpoint_layout(model: nn.Module) -> dict[str, tuple[str, tuple]]:
+    """Checkpoint tensor name (without the `model.` prefix) -> (our parameter, index into it).
+
+    A module with its own layout (`checkpoint_layout(prefix)`: fused projections, stacked
+    experts) names its tensors; every other parameter is stored under its own name. Tied
+    parameters appear once, under their first name.
+    """
+    layout: dict[str, tuple[str, tuple]] = {}
+    seen: set[int] = set()
+    for mod_name, module in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        own = module.checkpoint_layout(prefix) if hasattr(module, "checkpoint_layout") else None
+        for attr, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if own is None:
+                layout[prefix + attr] = (prefix + attr, ())
+        for ckpt, (attr, index) in (own or {}).items():
+            layout[ckpt] = (prefix + attr, index)
+    return layout
+
+
+def hub_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The model's tensors under the hub checkpoint's names (q/k/v, gate/up, experts separate)."""
+    out: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for mod_name, module in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        if hasattr(module, "hub_state"):
+            out.update(module.hub_state(prefix))
+            seen.update(id(p) for p in module.parameters(recurse=False))
+            continue
+        for attr, p in module.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out[prefix + attr] = p
+    return out
+
+
+@dataclass
+class Entry:
+    """One checkpoint tensor and what it fills: (our parameter, index) per tensor it stands for."""
+
+    file: str
+    name: str  # as stored, prefix included
+    targets: dict[str, tuple[str, tuple]]  # our-layout name -> (parameter, index)
+    converted: bool = False  # passed through the model's convert_checkpoint first
+
+
+@dataclass
+class LoadPlan:
+    """Every checkpoint tensor checked against the model before any weight is read."""
+
+    directory: Path
+    files: list[str]
+    entries: list[Entry] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return f"{len(self.files)} shard{'s' * (len(self.files) != 1)} of {self.directory}"
+
+
+def checkpoint_files(path: Path) -> list[str]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [name for name in files if not (path / name).is_file()]
+        if missing:
+            raise FlashtreeError(f"{index.name} lists {missing[0]}, which is not in {path}; download the whole checkpoint")
+        return files
+    files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FlashtreeError(f"{path} has no *.safetensors weights; convert the checkpoint to safetensors")
+    return files
+
+
+def plan_load(model: nn.Module, path: Path, convert=None) -> LoadPlan:
+    """Match every tensor of the checkpoint's headers to the model: names, shapes, coverage."""
+    from safetensors import safe_open
+
+    layout = checkpoint_layout(model)
+    params = dict(model.named_parameters())
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(params)  # tied copies
+    plan = LoadPlan(path, checkpoint_files(path))
+    filled = dict.fromkeys(params, 0)
+    found: dict[str, str] = {}  # our-layout name -> file
+    stored_prefix = "model."
+    kind = type(model).__name__
+
+    def check(file: str, name: str, key: str, shape: tuple) -> tuple[str, tuple]:
+        if key not in layout:
+            raise FlashtreeError(f"{file}: unexpected tensor {name}; the {kind} architecture has no such weight "
+                                 "(is the checkpoint for another model type?)")
+        if key in found:
+            raise FlashtreeError(f"{file}: {name} is also in {found[key]}; the checkpoint stores it twice")
+        param, index = layout[key]
+        want = tuple(params[param][index].shape)
+        if tuple(shape) != want:
+            raise FlashtreeError(f"{file}: {name} has shape {tuple(shape)}, the config implies {want}")
+        found[key] = file
+        filled[param] += params[param][index].numel()
+        return layout[key]
+
+    for file in plan.files:
+        with safe_open(str(path / file), framework="pt") as f:
+            for name in f.keys():
+                key = strip_prefix(name)
+                if key != name and key.startswith("layers."):
+                    stored_prefix = name[: len(name) - len(key)]
+                if key.startswith(IGNORED) or key in aliases:
+                    continue
+                shape = tuple(f.get_slice(name).get_shape())
+                if key not in layout and convert is not None:
+                    outs = convert(key, torch.empty(shape, device="meta"))
+                    if set(outs) != {key}:
+                        targets = {k: check(file, f"{name} -> {k}", k, t.shape) for k, t in outs.items()}
+                        plan.entries.append(Entry(file, name, targets, converted=True))
+                        continue
+                plan.entries.append(Entry(file, name, {key: check(file, name, key, shape)}))
+
+    for param, numel in filled.items():
+        if numel < params[param].numel():
+            keys = [k for k, (p, _) in layout.items() if p == param and k not in found]
+            keys = [k for k in keys if layout[k][1] != ()] or keys  # name a missing part, not the fused form
+            shown = keys[0] if keys[0].startswith("lm_head.") else stored_prefix + keys[0]
+            raise FlashtreeError(f"no tensor {shown} in any of the {plan.describe()}; "
+                                 f"the checkpoint does not match the {kind} architecture")
+        if numel > params[param].numel():
+            raise FlashtreeError(f"{param} is filled twice from {path}: the checkpoint stores it in two layouts")
+    return plan
+
+
+# ---- filling -------------------------------------------------------------------------------------
+
+
+class ShardReader:
+    """Tensors of one safetensors file, read through safe_open's memory map.
+
+    Pages the map has touched count in this process's resident memory until the file is
+    closed, so the file is reopened every `budget` bytes read (a 16th of the shard, at most
+    MAP_BUDGET), and a bigger tensor is read in row blocks: loading holds the model plus about
+    one budget of the checkpoint, not a whole shard.
+    """
+
+    def __init__(self, path: Path, budget: int | None = None) -> None:
+        self.path = path
+        self.budget = budget or max(MIN_MAP_BUDGET, min(MAP_BUDGET, path.stat().st_size // 16))
+        self.opened = 0
+        self.file = None
+        self.mapped = 0
+
+    def _open(self):
+        from safetensors import safe_open
+
+        if self.file is None or self.mapped >= self.budget:
+            self.close()
+            self.file = safe_open(str(self.path), framework="pt").__enter__()
+            self.opened += 1
+        return self.file
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.__exit__(None, None, None)
+        self.file, self.mapped = None, 0
+
+    def tensor(self, name: str) -> Tensor:
+        """The whole tensor (a view of the map: copy from it, do not keep it)."""
+        t = self._open().get_tensor(name)
+        self.mapped += t.numel() * t.element_size()
+        return t
+
+    def copy_into(self, name: str, dest: Tensor) -> None:
+        """dest.copy_(tensor), in row blocks of at most `budget` bytes."""
+        view = self._open().get_slice(name)
+        shape = view.get_shape()
+        if not shape:
+            dest.copy_(self.tensor(name))
+            return
+        row_bytes = DTYPE_BYTES.get(view.get_dtype(), 8) * max(1, dest[0].numel())
+        step = max(1, self.budget // row_bytes)
+        for start in range(0, shape[0], step):
+            stop = min(start + step, shape[0])
+            block = self._open().get_slice(name)[start:stop]
+            dest[start:stop].copy_(block)
+            self.mapped += block.numel() * block.element_size()
+            del block
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Give every meta parameter real (uninitialised) storage on `device`, keeping ties."""
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for attr, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                          requires_grad=p.requires_grad)
+            module._parameters[attr] = new[id(p)]
+    leftover = [n for n, b in model.named_buffers() if b.is_meta]
+    leftover += [f"{n}.{k}" for n, m in model.named_modules() for k, v in vars(m).items()
+                 if isinstance(v, Tensor) and v.is_meta]
+    if leftover:  # a model bug, not a checkpoint problem: such tensors must be built on the CPU
+        raise RuntimeError(f"{type(model).__name__} computes {leftover[:3]} in __init__ on the meta device; "
+                           "create them with an explicit device")
+
+
+def load_checkpoint(model: nn.Module, path: Path, device: torch.device, convert=None) -> None:
+    """Fill a model built on the meta device from the safetensors checkpoint in `path`.
+
+    convert(name, tensor) -> {name: tensor}: the model's per-tensor format conversion, for
+    checkpoint tensors its layout does not name (Qwen3-Next's packed projections).
+    """
+    plan = plan_load(model, path, convert)
+    materialize(model, device)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for file in plan.files:
+            reader = ShardReader(path / file)
+            try:
+                for entry in (e for e in plan.entries if e.file == file):
+                    if entry.converted:
+                        outs = convert(strip_prefix(entry.name), reader.tensor(entry.name))
+                        for key, (param, index) in entry.targets.items():
+                            params[param][index].copy_(outs[key])
+                        del outs
+                    else:
+                        (param, index), = entry.targets.values()
+                        reader.copy_into(entry.name, params[param][index])
+            finally:
+                reader.close()

@@ -1,4 +1,4 @@
-"""Qwen3.5 / Qwen3.6 / Qwen3-Next hyper-parameters, read from a config.json of any of their layouts."""
+"""Qwen3.5 / Qwen3.6 / Qwen3-Next hyper-parameters, read from the config transformers loads."""
 
 from __future__ import annotations
 
@@ -38,44 +38,51 @@ class Qwen35Args:
     mlp_only_layers: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "Qwen35Args":
-        layers = cfg["num_hidden_layers"]
-        types = cfg.get("layer_types")
-        if not types:
-            every = cfg.get("full_attention_interval", 4)
+    def from_hf(cls, config) -> "Qwen35Args":
+        """From the text config transformers reads (Qwen3_5TextConfig, Qwen3_5MoeTextConfig,
+        Qwen3NextConfig: loader.read_config unwraps the multimodal layout)."""
+        c = config
+        layers = c.num_hidden_layers
+        types = getattr(c, "layer_types", None)
+        if not types:  # a raw config of a type this transformers does not know
+            every = getattr(c, "full_attention_interval", 4)
             types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
-        rope = rope_parameters(cfg)
+        rope = rope_parameters(c)
         rope.setdefault("partial_rotary_factor", 0.25)  # HF's default for this family
         if rope["rope_type"] == "mrope":
             rope["rope_type"] = "default"  # text positions: all three mrope axes agree, so 1-D RoPE
-        heads = cfg["num_attention_heads"]
+        heads = c.num_attention_heads
+
+        def opt(key: str, default=0):  # dense configs have no MoE keys; some hold None
+            return getattr(c, key, None) or default
+
         return cls(
-            model_type=cfg.get("model_type", "qwen3_5_text"),
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg.get("intermediate_size") or 0,
+            model_type=getattr(c, "model_type", None) or "qwen3_5_text",
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=opt("intermediate_size"),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            num_kv_heads=opt("num_key_value_heads", heads),
+            head_dim=opt("head_dim", c.hidden_size // heads),
+            rms_norm_eps=opt("rms_norm_eps", 1e-6),
             layer_types=list(types),
-            linear_conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
-            linear_key_head_dim=cfg.get("linear_key_head_dim", 128),
-            linear_value_head_dim=cfg.get("linear_value_head_dim", 128),
-            linear_num_key_heads=cfg.get("linear_num_key_heads", 16),
-            linear_num_value_heads=cfg.get("linear_num_value_heads", 32),
+            linear_conv_kernel=opt("linear_conv_kernel_dim", 4),
+            linear_key_head_dim=opt("linear_key_head_dim", 128),
+            linear_value_head_dim=opt("linear_value_head_dim", 128),
+            linear_num_key_heads=opt("linear_num_key_heads", 16),
+            linear_num_value_heads=opt("linear_num_value_heads", 32),
             rope=rope,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", False),
-            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-            num_experts=cfg.get("num_experts", 0) or 0,
-            num_experts_per_tok=cfg.get("num_experts_per_tok", 0) or 0,
-            moe_intermediate_size=cfg.get("moe_intermediate_size", 0) or 0,
-            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) or 0,
-            norm_topk_prob=cfg.get("norm_topk_prob", True),
-            decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
-            mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(c, "attention_bias", False)),
+            max_position_embeddings=opt("max_position_embeddings", 32768),
+            num_experts=opt("num_experts"),
+            num_experts_per_tok=opt("num_experts_per_tok"),
+            moe_intermediate_size=opt("moe_intermediate_size"),
+            shared_expert_intermediate_size=opt("shared_expert_intermediate_size"),
+            norm_topk_prob=bool(getattr(c, "norm_topk_prob", True)),
+            decoder_sparse_step=opt("decoder_sparse_step", 1),
+            mlp_only_layers=list(opt("mlp_only_layers", [])),
         )
 
     def is_moe(self, layer: int) -> bool:

@@ -2,7 +2,8 @@
 
 One forward covers prefill, a decode step and tree verification: the window's tokens are
 written after each slot's committed prefix and attend to that prefix plus their ancestors.
-Module names follow the HF checkpoints (minus the `model.` prefix) so weights load as they are.
+Module names follow the HF checkpoints (minus the `model.` prefix); q/k/v and gate/up are fused
+(`MergedLinear`), and the loader packs the checkpoint's separate tensors into them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import Tensor, nn
 
 from flashtree.cache import KVCache
 from flashtree.models.context import ForwardContext
-from flashtree.models.layers import MLP, RMSNorm, Rotary, apply_rotary, attention, rope_parameters
+from flashtree.models.layers import MLP, MergedLinear, RMSNorm, Rotary, apply_rotary, attention, rope_parameters
 
 
 @dataclass
@@ -36,25 +37,26 @@ class TransformerArgs:
     max_position_embeddings: int = 4096
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "TransformerArgs":
-        model_type = cfg.get("model_type", "llama")
-        heads = cfg["num_attention_heads"]
+    def from_hf(cls, config) -> "TransformerArgs":
+        """From a transformers config (AutoConfig of the checkpoint; see loader.read_config)."""
+        model_type = getattr(config, "model_type", None) or "llama"
+        heads = config.num_attention_heads
         return cls(
             model_type=model_type,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope=rope_parameters(cfg),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qk_norm=model_type == "qwen3",
-            attention_bias=cfg.get("attention_bias", False),
-            mlp_bias=cfg.get("mlp_bias", False),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
+            rope=rope_parameters(config),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            max_position_embeddings=getattr(config, "max_position_embeddings", 4096),
         )
 
 
@@ -64,9 +66,8 @@ class Attention(nn.Module):
         d, hd, bias = args.hidden_size, args.head_dim, args.attention_bias
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, hd
-        self.q_proj = nn.Linear(d, args.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(d, args.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(d, args.num_kv_heads * hd, bias=bias)
+        self.qkv_proj = MergedLinear(d, [("q_proj", args.num_heads * hd), ("k_proj", args.num_kv_heads * hd),
+                                         ("v_proj", args.num_kv_heads * hd)], bias=bias)
         self.o_proj = nn.Linear(args.num_heads * hd, d, bias=bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(hd, args.rms_norm_eps)
@@ -76,9 +77,10 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], ctx: ForwardContext) -> Tensor:
         r, n, _ = x.shape
-        q = self.q_proj(x).view(r, n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(r, n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(r, n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x)
+        q = q.view(r, n, self.num_heads, self.head_dim)
+        k = k.view(r, n, self.num_kv_heads, self.head_dim)
+        v = v.view(r, n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope

@@ -256,7 +256,7 @@ class BlockDrafter(nn.Module):
                 masks[window] = make_mask(anchors, b, t, window)
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_norm(attn.q_proj(h).view(s, m * b, attn.num_heads, attn.head_dim))
+            q = attn.q_norm(attn.qkv_proj.project(h, "q_proj").view(s, m * b, attn.num_heads, attn.head_dim))
             q = apply_rotary(q.transpose(1, 2), *rope)
             bk, bv = attn.kv(h, rope)
             ck, cv = attn.kv(ctx, ctx_rope)

@@ -10,6 +10,7 @@ Log-probs are `torch.log_softmax(draft_logits.float(), -1)` bit for bit (NaN log
 """
 import functools
 import heapq
+import operator
 
 import numpy as np
 import torch
@@ -46,9 +47,9 @@ def _token_topk(lp: Tensor, k: int, host: bool) -> tuple[Tensor, Tensor]:
        the number of entries > t. All g are in S (if one were outside, all c >= k members of S
        would be > t). So the exact answer is those g, then the k - g lowest-id entries equal to t.
     3. If every entry equal to t is in S too, _topk over S with the entries' own ids is exact.
-       That holds when min(S) < t (c = k + MARGIN), or when S holds as many entries equal to t
-       as the whole row (c = k; used where the CPU's topk would leave its fast partial sort,
-       64c > V, while 64k <= V still keeps it, e.g. k = 64 at V = 4096).
+       That holds when min(S) < t (c = k + MARGIN), or when only k entries of the row are >= t
+       (c = k; used where k + MARGIN would push the CPU's topk off its fast partial sort, which
+       needs 64c <= V, while c = k keeps it, e.g. k = 64 at V = 4096).
     4. Otherwise some entries equal to t may lie outside S (a tie group at t that outruns the
        margin), and _tie_fix finds the row's ties over the whole vocabulary. It is exact for any row
        given step 2, so without `host` it runs on every row with c = k (no host read, fixed shapes);
@@ -73,12 +74,11 @@ def _token_topk(lp: Tensor, k: int, host: bool) -> tuple[Tensor, Tensor]:
     if not host:
         top_lp, top_id = _tie_fix(flat, top_lp, top_id, t.reshape(R * D))
     else:
-        if c == k:
-            need = (lp == t).sum(-1) > (vals == t).sum(-1)
-        else:
-            need = vals[..., -1:] == t
-        rows = need.flatten().nonzero()[:, 0]
-        if rows.numel():
+        # S holds all k entries >= t unless another one equals t: more than k entries >= t, or
+        # (with the margin) the last candidate still equal to t.
+        need = (lp >= t).sum(-1) > k if c == k else vals[..., -1:] == t
+        if need.any():
+            rows = need.flatten().nonzero()[:, 0]
             top_lp[rows], top_id[rows] = _tie_fix(flat[rows], top_lp[rows], top_id[rows], t.reshape(R * D)[rows])
     return top_lp.view(R, D, k), top_id.view(R, D, k)
 
@@ -117,6 +117,28 @@ def _pairs(width: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
     return parent.to(device), token.to(device)
 
 
+def _levels_needed(tok_lp: Tensor, width: int) -> int:
+    """How many depths can hold a node of any row's top-`width` tree, from one host read of tok_lp [R, D, K].
+
+    The best prefix of each length is the chain of top tokens (float32 rounding is monotone), and
+    a deeper prefix never beats it, so chain[d+1] bounds every prefix longer than d+1. The `width`
+    prefixes "chain of length e, then one of the K = width best tokens at depth e+1" are distinct
+    and scored exactly as the builder scores them; the worst of them is chain[e] + the K-th token.
+    Once chain[d+1] is below the best such floor over e <= d in every row, at least `width`
+    shallower prefixes outrank every deeper one (ties go to the shallower), so levels past d+1
+    cannot change the tree.
+    """
+    top = tok_lp.detach().cpu().numpy()  # per (row, depth): log-probs sorted descending
+    R, D, K = top.shape
+    if K < width:  # fewer than `width` tokens per depth: no cheap floor
+        return D
+    chain = np.add.accumulate(top[:, :, 0], axis=1, dtype=np.float32)  # sequential, in the builder's order
+    parent = np.concatenate([np.zeros((R, 1), np.float32), chain[:, :-1]], 1)
+    floor = np.maximum.accumulate(parent + top[:, :, -1], axis=1)
+    done = (chain[:, 1:] < floor[:, :-1]).all(0)  # [D-1]: nothing past depth d+1 can be placed
+    return int(done.argmax()) + 1 if done.any() else D
+
+
 def _width(budget: int | Tensor, max_budget: int | None) -> int:
     """Nodes per row past the root: max_budget if given, else the budget's max (a host read for a tensor)."""
     if max_budget is not None:
@@ -125,7 +147,11 @@ def _width(budget: int | Tensor, max_budget: int | None) -> int:
         width = int(budget.max())
     else:
         width = budget
-    if not isinstance(width, int) or width < 1:
+    try:
+        width = operator.index(width)
+    except TypeError:
+        raise FlashtreeError(f"tree budget must be a whole number of nodes, got {width!r}") from None
+    if width < 1:
         raise FlashtreeError(f"tree budget must be at least 1 node, got {width}; pass budget >= 1")
     return width
 
@@ -160,24 +186,19 @@ def build_tree(root_tokens: Tensor, draft_logits: Tensor, budget: int | Tensor, 
     del lp
     pair_p, pair_t = _pairs(bmax, K, dev)
 
-    pair_lp = tok_lp[:, :, pair_t]  # [R, D, C]
+    if prune:
+        D = _levels_needed(tok_lp, bmax)
+    pair_lp = tok_lp[:, :D, pair_t].unbind(1)  # per depth [R, C]
     score = torch.full((R, bmax), float("-inf"), device=dev)  # level 0: the root alone
     score[:, 0] = 0.0
     scores, picked = [], []
-    best_next = tok_lp[:, :, 0].tolist() if prune else None
-    floor = [float("-inf")] * R  # per row: the worst score among the best bmax found so far
     for d in range(D):
-        score, sel = _topk(score[:, pair_p] + pair_lp[:, d], bmax)
+        # The pair list is in tie order, so a stable sort by score is the (score, position) rule
+        # (scores are never -0.0: log_softmax gives +0.0 to a certain token, so zeros cannot split a tie).
+        score, sel = (score[:, pair_p] + pair_lp[d]).sort(dim=1, descending=True, stable=True)
+        score, sel = score[:, :bmax], sel[:, :bmax]
         scores.append(score)
         picked.append(sel)
-        if prune and d + 1 < D:
-            # Any deeper prefix scores at most (best at this level + best token at the next depth);
-            # once that is below bmax found prefixes in every row, no deeper node can be chosen.
-            top, last = score[:, [0, -1]].T.tolist()
-            floor = [max(f, x) for f, x in zip(floor, last)]
-            if all(t + b[d + 1] < f for t, b, f in zip(top, best_next, floor)):
-                break
-    D = len(scores)
     picked = torch.stack(picked, 1)  # [R, D, B] positions in the pair list
     scores = torch.stack(scores, 1).flatten(1)  # [R, D*B]; flat index d*B + rank follows the tie order
     parent_rank = pair_p[picked].flatten(1)

@@ -1,0 +1,386 @@
+"""The target's token at every tree node, for the whole batch at once.
+
+The accept walk is lossless for any rule that draws each node's token from the target's
+distribution at that node, with fresh randomness at every committed position. Gumbel-max with
+noise hashed from (seed, absolute position, token id) is such a rule, and it makes the token at
+a position a function of (seed, position, distribution) alone: ar, dflash, ddtree at any budget,
+in any batch, commit the same tokens for one seed (docs/sampling.md).
+
+The distribution, defined by `probabilities`: logits shifted so their max is 0 and scaled by
+1/temperature, then top-k (every token tied with the k-th stays), then top-p over tokens ranked
+by (probability desc, id asc), a token dropped when the mass ranked strictly above it is
+>= top_p, the top token always kept.
+
+Numerical safety: 1/temperature is clamped to the compute dtype's largest finite value, and the
+shifted logits are <= 0, so no temperature > 0 makes inf * 0 or inf - inf: a temperature below
+about 3e-39 (float32) acts as 3e-39, which for any logit gap above ~1e-30 is the greedy limit
+(ties split uniformly). top_p underflowing to 0 still keeps the top token. So no accepted
+temperature or top_p can produce NaN.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flashtree.sampling import SamplingParams
+
+CANDIDATES = (64, 1024)  # top-p seeks its nucleus among this many tokens before sorting the vocabulary
+M32 = 0xFFFFFFFF
+NEG_INF = float("-inf")
+
+
+# ---- counter-based noise ----------------------------------------------------------------------
+
+def mix32(x):
+    """A 32-bit finalizer (lowbias32, C. Wellons) on Python ints or int64 tensors in [0, 2^32).
+
+    Every product stays below 2^63, so int64 never overflows and the bits are the same on every
+    device: the second multiplier 0x846CA68B is split as 2^31 + 0x046CA68B.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x046CA68B + ((x & 1) << 31)) & M32
+    return x ^ (x >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """A request's seed (any int, taken mod 2^64) as a 32-bit key."""
+    return mix32(mix32(seed & M32) ^ ((seed >> 32) & M32))
+
+
+def fresh_seed() -> int:
+    """A random 63-bit seed for a request that gave none: fresh randomness, same code path."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+def position_keys(keys: Tensor, positions: Tensor) -> Tensor:
+    """Per-(request, absolute position) keys: keys [S], positions [S, ...] -> int64 [S, ...]."""
+    k = keys.view(-1, *[1] * (positions.dim() - 1))
+    return mix32(k ^ mix32((positions & M32) ^ 0x9E3779B9))
+
+
+def gumbel_noise(pkeys: Tensor, tokens: Tensor, dtype: torch.dtype) -> Tensor:
+    """Gumbel(0, 1) noise for (position key, token id), broadcast: pkeys [..., 1], tokens [..., K].
+
+    g = -log(-log1p(-w)) with w = (h + 0.5) / 2^32 from a 32-bit hash h: the log1p keeps small
+    exponentials (the winning tail) fine-grained, so g reaches ~22.9; a token more than ~25.7
+    below the top in scaled logit (relative probability < 7e-12) can never win, a total
+    variation of at most 7e-12 * V (1e-6 at V = 151,936).
+    """
+    h = mix32(pkeys ^ mix32(tokens ^ 0x68E31DA4))
+    w = ((h.to(torch.float32) + 0.5) * 2.0**-32).clamp_(max=1.0 - 2.0**-24)
+    return w.neg_().log1p_().neg_().log_().neg_().to(dtype)
+
+
+# ---- the per-round batch of parameters --------------------------------------------------------
+
+@dataclass
+class SampledRows:
+    """Rows of one kind: `plain` (temperature only) or `restricted` (top-k and/or top-p)."""
+
+    index: Tensor | None  # [S] rows of the batch; None when this kind is every row
+    scale: Tensor  # [S] float64: 1/temperature (clamped to the compute dtype when used)
+    top_k: Tensor  # [S] int64, 0 = off
+    top_p: Tensor  # [S] float64, 1 = off
+    key: Tensor  # [S] int64: seed_key(seed)
+    top_ks: tuple[int, ...]  # the same top_k on the host, to size topk without a sync
+    use_top_p: bool
+
+
+@dataclass
+class SamplingBatch:
+    size: int
+    greedy_rows: int
+    plain: SampledRows | None
+    restricted: SampledRows | None
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], seeds: list[int], device: torch.device) -> SamplingBatch:
+        """The round's parameters as device tensors: one host-to-device copy, none when all greedy."""
+        plain = [i for i, p in enumerate(params) if not p.greedy and p.top_k <= 0 and p.top_p >= 1.0]
+        restricted = [i for i, p in enumerate(params) if not p.greedy and (p.top_k > 0 or p.top_p < 1.0)]
+        order = plain + restricted
+        greedy_rows = len(params) - len(order)
+        if not order:
+            return cls(len(params), greedy_rows, None, None)
+        floats = torch.tensor([[inverse_temperature(params[i].temperature) for i in order],
+                               [params[i].top_p for i in order]], dtype=torch.float64)
+        ints = torch.tensor([[max(params[i].top_k, 0) for i in order], [seed_key(seeds[i]) for i in order],
+                             order], dtype=torch.int64)
+        packed = torch.cat([floats.view(torch.int64), ints]).to(device, non_blocking=True)
+
+        def rows(a: int, b: int) -> SampledRows | None:
+            if a == b:
+                return None
+            top_ks = tuple(max(params[i].top_k, 0) for i in order[a:b])
+            return SampledRows(index=None if b - a == len(params) else packed[4, a:b],
+                               scale=packed[0, a:b].view(torch.float64), top_p=packed[1, a:b].view(torch.float64),
+                               top_k=packed[2, a:b], key=packed[3, a:b], top_ks=top_ks,
+                               use_top_p=any(params[i].top_p < 1.0 for i in order[a:b]))
+
+        return cls(len(params), greedy_rows, rows(0, len(plain)), rows(len(plain), len(order)))
+
+
+def inverse_temperature(temperature: float) -> float:
+    return 1.0 / temperature  # inf for subnormal temperatures; clamped where it is applied
+
+
+def compute_dtype(logits: Tensor) -> torch.dtype:
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+# ---- picking ----------------------------------------------------------------------------------
+
+def pick(logits: Tensor, batch: SamplingBatch, positions: Tensor, span: int | None = None) -> Tensor:
+    """Every node's token: logits [R, N, V] -> int64 [R, N].
+
+    positions [R, N]: the absolute position (in prompt + output) of the token each node's logits
+    predict, i.e. the node's own position + 1. span: a bound on the distinct positions per row
+    (max - min < span; the tree's depth bound + 1), so plain rows hash noise once per position
+    instead of once per node; None = N. Greedy rows take the argmax (ties: lowest id).
+    Host reads: none for greedy, temperature-only and top-k rows; top-p (or a tie at the k-th
+    value) reads a few small masks when some node is not settled by its first candidates.
+    """
+    R, N, _ = logits.shape
+    picks = logits.argmax(-1) if batch.greedy_rows else torch.empty(R, N, dtype=torch.long, device=logits.device)
+    for rows, draw in ((batch.plain, _draw_plain), (batch.restricted, _draw_restricted)):
+        if rows is None:
+            continue
+        if rows.index is None:
+            picks = draw(logits, rows, positions, span)
+        else:
+            picks[rows.index] = draw(logits[rows.index], rows, positions[rows.index], span)
+    return picks
+
+
+def _draw_plain(logits: Tensor, rows: SampledRows, positions: Tensor, span: int | None) -> Tensor:
+    S, N, V = logits.shape
+    x = _scaled(logits, rows).view(S * N, V)
+    table, row = _vocab_noise(rows.key, positions, span, V, x.dtype)
+    x += table if row is None else table[row]
+    return x.argmax(-1).view(S, N)
+
+
+def _vocab_noise(keys: Tensor, positions: Tensor, span: int | None, V: int, dtype: torch.dtype):
+    """Noise over the whole vocabulary, hashed once per distinct position (nodes at one depth
+    share a position, hence their noise): table [S * P, V] and each node's row in it [S * N],
+    or None when the rows are the nodes themselves."""
+    S, N = positions.shape
+    tokens = torch.arange(V, device=positions.device)
+    if span is None or span >= N:
+        return gumbel_noise(position_keys(keys, positions).view(-1, 1), tokens, dtype), None
+    base = positions.amin(1, keepdim=True)
+    steps = torch.arange(span, device=positions.device)
+    table = gumbel_noise(position_keys(keys, base + steps).view(-1, 1), tokens, dtype)
+    return table, (span * torch.arange(S, device=positions.device)[:, None] + positions - base).view(-1)
+
+
+def _draw_restricted(logits: Tensor, rows: SampledRows, positions: Tensor, span: int | None) -> Tensor:
+    """Gumbel-max over the kept tokens only: the noise is a function of the token id, so hashing
+    just the candidates gives the same pick as hashing the whole vocabulary."""
+    S, N, V = logits.shape
+    x, probs, first = _restricted(logits, rows)
+    pkeys = position_keys(rows.key, positions).view(-1)
+    out = torch.empty(S * N, dtype=torch.long, device=logits.device)
+    for nodes, ids, keep in _decide(probs, _node_top_p(rows, N), _levels(rows, V), first):
+        xs, pk = (x, pkeys) if nodes is None else (x[nodes], pkeys[nodes])
+        if ids is None:  # decided by the full sort: the whole vocabulary competes
+            if span is not None and len(nodes) > S * span:
+                table, row = _vocab_noise(rows.key, positions, span, V, x.dtype)
+                noise = table[nodes] if row is None else table[row[nodes]]
+            else:
+                noise = gumbel_noise(pk[:, None], torch.arange(V, device=x.device), x.dtype)
+            tokens = (torch.where(keep, xs, NEG_INF) + noise).argmax(-1)
+        else:
+            score = torch.where(keep, xs.gather(-1, ids), NEG_INF) + gumbel_noise(pk[:, None], ids, x.dtype)
+            tokens = ids.gather(-1, score.argmax(-1, keepdim=True))[:, 0]
+        if nodes is None:
+            out = tokens
+        else:
+            out[nodes] = tokens
+    return out.view(S, N)
+
+
+def processed_logprobs(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Log-probs [R, N, V] of the distribution each node samples from (after temperature, top-k,
+    top-p); greedy rows get the plain log_softmax of the raw logits. Dropped tokens are -inf;
+    tokens whose probability underflows to 0 may come out as -inf or as their tiny log-prob."""
+    out = torch.log_softmax(logits.to(compute_dtype(logits)), -1)
+    for rows in (batch.plain, batch.restricted):
+        if rows is None:
+            continue
+        sub = logits if rows.index is None else logits[rows.index]
+        S, N, V = sub.shape
+        if rows is batch.plain:
+            x = _scaled(sub, rows).view(S * N, V)
+        else:
+            x, probs, first = _restricted(sub, rows)
+            if rows.use_top_p:
+                x = x.masked_fill(~_kept(probs, _decide(probs, _node_top_p(rows, N), _levels(rows, V), first)), NEG_INF)
+        lp = torch.log_softmax(x, -1).view(S, N, V)
+        if rows.index is None:
+            out = lp
+        else:
+            out[rows.index] = lp
+    return out
+
+
+def _kept(probs: Tensor, decisions) -> Tensor:
+    """The full-vocabulary keep mask [U, V] from `_decide`'s per-level answers."""
+    kept = torch.empty_like(probs, dtype=torch.bool)
+    for nodes, ids, keep in decisions:
+        ps = probs if nodes is None else probs[nodes]
+        if ids is not None:  # no tie straddles the cut: keep every token >= the last kept
+            keep = ps >= ps.gather(-1, ids.gather(-1, keep.sum(-1, keepdim=True) - 1))
+        if nodes is None:
+            kept = keep
+        else:
+            kept[nodes] = keep
+    return kept
+
+
+# ---- the distribution, batched ----------------------------------------------------------------
+
+def _scaled(logits: Tensor, rows: SampledRows) -> Tensor:
+    """(logits - max) * 1/temperature in the compute dtype: every entry <= 0 and never NaN."""
+    dtype = compute_dtype(logits)
+    x = logits.to(dtype)
+    x = x - x.amax(-1, keepdim=True)
+    scale = rows.scale.clamp(max=torch.finfo(dtype).max).to(dtype)
+    return x.mul_(scale.view(-1, *[1] * (x.dim() - 1)))
+
+
+def _max_top_k(rows: SampledRows, V: int) -> int:
+    return max((k for k in rows.top_ks if 0 < k < V), default=0)
+
+
+def _levels(rows: SampledRows, V: int) -> list[int]:
+    """Candidate counts to try, smallest first. kmax + 1, so that a last candidate of probability
+    0 proves nothing was left out; top-p widens through CANDIDATES before it sorts everything."""
+    sizes = CANDIDATES if rows.use_top_p else (1,)
+    return sorted({min(max(_max_top_k(rows, V) + 1, c), V) for c in sizes})
+
+
+def _node_top_p(rows: SampledRows, N: int) -> Tensor | None:
+    return rows.top_p[:, None].expand(-1, N).reshape(-1, 1) if rows.use_top_p else None
+
+
+def _restricted(logits: Tensor, rows: SampledRows) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+    """Scaled, top-k-masked logits and their probabilities with nodes flattened, [S*N, V] each,
+    and the first level's candidates (ids, probabilities) [S*N, K]. One topk gives both those
+    and the k-th value: softmax is monotone, so ranking by logit ranks the probabilities alike."""
+    S, N, V = logits.shape
+    x = _scaled(logits, rows).view(S * N, V)
+    top, ids = x.topk(_levels(rows, V)[0], -1)
+    kmax = _max_top_k(rows, V)
+    if kmax:
+        k = rows.top_k.clamp(1, kmax)[:, None].expand(-1, N).reshape(-1, 1)
+        active = ((rows.top_k > 0) & (rows.top_k < V))[:, None].expand(-1, N).reshape(-1, 1)
+        x = x.masked_fill_(active & (x < top.gather(-1, k - 1)), NEG_INF)
+    probs = torch.softmax(x, -1)
+    return x, probs, (ids, probs.gather(-1, ids))
+
+
+def _decide(probs: Tensor, top_p: Tensor | None, sizes: list[int], first: tuple[Tensor, Tensor]):
+    """Each node's kept set, from as few candidates as decide it exactly.
+
+    Yields (nodes, ids, keep): the nodes (None = all) tried at a level, their candidate ids
+    [U, K] ranked by probability, and the keep mask over those; last, for nodes no level
+    decided, ids None and the full sort's keep mask [U, V]. A node a level leaves undecided
+    comes again later, and the consumer must overwrite what it wrote for it. Host reads: a few
+    per level, only while some node is undecided.
+    """
+    nodes, to_sort = None, []
+    for level, K in enumerate(sizes):
+        if level == 0:
+            ids, vals = first
+        else:
+            vals, ids = probs[nodes].topk(K, -1)
+        tp = None if top_p is None else top_p if nodes is None else top_p[nodes]
+        keep = torch.ones_like(vals, dtype=torch.bool) if tp is None else _nucleus(vals, tp)
+        yield nodes, ids, keep
+        undecided = ~_decided(vals, keep, probs.shape[-1])
+        here = torch.arange(len(vals), device=vals.device) if nodes is None else nodes
+        if tp is not None and level + 1 < len(sizes):
+            # Each token past the K-th holds at most the K-th's probability: a nucleus that the
+            # next level cannot hold even then goes straight to the sort (margin for rounding).
+            reach = vals.sum(-1, keepdim=True) + (sizes[level + 1] - K) * vals[:, -1:]
+            hopeless = undecided & (reach * 1.001 < tp)[:, 0]
+            to_sort.append(here[hopeless])
+            undecided &= ~hopeless
+        nodes = here[undecided]
+        if nodes.numel() == 0:
+            break
+    nodes = torch.cat([*to_sort, nodes])
+    if nodes.numel():
+        p = probs[nodes]
+        yield nodes, None, torch.ones_like(p, dtype=torch.bool) if top_p is None else _full_keep(p, top_p[nodes])
+
+
+def _nucleus(ranked: Tensor, top_p: Tensor) -> Tensor:
+    """Keep mask over a ranked prefix: drop a token when the mass ranked above it is >= top_p.
+
+    Everything from the first dropped token on is dropped, so the kept set is a prefix even
+    where a parallel cumsum is not monotone; the top token is always kept (top_p may underflow
+    to 0 in float32). top_p >= 1 keeps everything. Tied probabilities are equal values, so
+    their order does not change the cumsum.
+    """
+    K = ranked.shape[-1]
+    before = F.pad(ranked.cumsum(-1)[..., :-1], (1, 0))
+    drop = before >= top_p.to(ranked.dtype)
+    drop[..., 0] = False
+    first = drop.to(torch.uint8).argmax(-1, keepdim=True)  # the first drop, or 0 when none
+    first = torch.where(drop.gather(-1, first), first, K)
+    return (torch.arange(K, device=ranked.device) < first) | (top_p >= 1.0)
+
+
+def _decided(ranked: Tensor, keep: Tensor, V: int) -> Tensor:
+    """Whether K candidates (ranked by probability, ties in any order) fix a node's kept set
+    exactly as the full stable sort would.
+
+    The cut must not split tokens of one probability (the full sort keeps the lower ids of such
+    a tie, and topk returns ties in no particular order), unless that probability is 0, which
+    nothing samples. And either the cut falls inside the candidates (then every token above
+    the next candidate's probability is a candidate), or nothing was left out: the last
+    candidate has probability 0, or K = V.
+    """
+    K = ranked.shape[-1]
+    m = keep.sum(-1, keepdim=True)
+    p_last = ranked.gather(-1, m - 1)
+    p_next = ranked.gather(-1, m.clamp(max=K - 1))
+    inside = m < K
+    whole_tie = ~inside | (p_next < p_last) | (p_last == 0)
+    complete = (ranked[..., -1:] == 0) | (K == V)
+    return (whole_tie & (inside | complete))[..., 0]
+
+
+def _full_keep(probs: Tensor, top_p: Tensor) -> Tensor:
+    """The definition: a stable full sort (ties: lower id first), then the nucleus rule."""
+    ranked, order = probs.sort(dim=-1, descending=True, stable=True)
+    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, _nucleus(ranked, top_p))
+
+
+# ---- the definition, one request at a time (tests and docs compare against it) ---------------
+
+def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
+    """The target's sampling distribution [..., V] for one request's logits [..., V]."""
+    dtype = compute_dtype(logits)
+    x = logits.to(dtype)
+    if params.greedy:
+        return F.one_hot(x.argmax(-1), x.shape[-1]).to(dtype)
+    x = (x - x.amax(-1, keepdim=True)) * min(inverse_temperature(params.temperature), torch.finfo(dtype).max)
+    if 0 < params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, NEG_INF)
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        top_p = torch.full((*probs.shape[:-1], 1), params.top_p, dtype=torch.float64)
+        probs = probs * _full_keep(probs, top_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
