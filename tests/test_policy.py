@@ -115,6 +115,38 @@ def test_node_values_and_curves():
     assert torch.allclose(half, cal * 0.5)
 
 
+def test_observed_acceptance_is_the_walks_expectation():
+    """The calibration's observation: with argmax picks, each node's reach (picks matching down
+    its path) counted by depth and kind is exactly what the walk accepts; with sampled picks, the
+    product of the target's probabilities down the path is the walk's mean (Monte Carlo)."""
+    from flashtree.tree import accept_walk
+    from flashtree.tree.value import depth_mass, path_reach, walked_mass
+
+    g = torch.Generator().manual_seed(4)
+    V, D = 5, 4
+    spec = build_tree(torch.tensor([0, 1]), torch.randn(2, D, V, generator=g) * 2, 12)
+    kinds = node_kinds(spec)
+    parent, token = spec.parents.clamp(min=0), spec.tokens.clamp(min=0)
+    real = (spec.tokens >= 0) & (torch.arange(spec.num_nodes) > 0)
+    for trial in range(20):
+        picks = torch.randint(0, V, spec.tokens.shape, generator=g)
+        picks[:, 0] = torch.where(torch.rand(2, generator=g) < 0.7, spec.tokens[:, 1], picks[:, 0])
+        edge = torch.where(picks.gather(1, parent) == spec.tokens, 0.0, float("-inf"))
+        reach = torch.where(real, path_reach(spec, edge).exp(), 0.0)
+        walk = accept_walk(spec, picks)
+        assert torch.equal(depth_mass(spec, kinds, reach, D), walked_mass(spec, kinds, walk.path, D))
+    probs = torch.softmax(torch.randn(2, spec.num_nodes, V, generator=g), -1)
+    edge = probs.log().flatten(1).gather(1, parent * V + token)
+    reach = torch.where(real, path_reach(spec, edge).exp(), 0.0)
+    expected = depth_mass(spec, kinds, reach, D)
+    total = torch.zeros_like(expected)
+    n = 4000
+    for _ in range(n):
+        picks = torch.multinomial(probs.view(-1, V), 1, generator=g).view(2, -1)
+        total += walked_mass(spec, kinds, accept_walk(spec, picks).path, D)
+    assert torch.allclose(total / n, expected, atol=0.03)
+
+
 # ---- the policy on synthetic costs --------------------------------------------------------
 
 def _cost(per_node: float, fixed: float = 0.010, draft: float = 0.004, rows: int = 16) -> CostModel:
@@ -140,15 +172,12 @@ def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float) -
     cols = policy.curve_columns(plan)
     raw = 0.8 ** np.arange(1, D + 1)
     chain = np.cumsum(np.minimum(1.0, plan.beta[:, :D, 0] * raw), axis=1)  # [k, D]
-    extras = np.zeros((k, 1 + cols + D + 2 * D))
-    extras[:, 0] = 99
-    extras[:, 1 : 1 + cols] = chain[:, np.minimum(policy.grid[:cols], D) - 1]
-    extras[:, 1 + cols : 1 + cols + D] = chain
-    extras[:, 1 + cols + D :: 2] = raw
-    accepted = [0] * len(reqs)
-    for i in plan.draft_rows:
-        accepted[i] = int(np.sum(np.cumprod(np.full(D, accept)) > 0.5))
-    policy.observe(plan, [r.slot for r in reqs], accepted, extras)
+    extras = np.zeros((k, cols + 5 * D))
+    extras[:, :cols] = chain[:, np.minimum(policy.grid[:cols], D) - 1]
+    extras[:, cols : cols + D] = chain
+    extras[:, cols + D : cols + 3 * D : 2] = raw  # predicted, spine kind
+    extras[:, cols + 3 * D :: 2] = accept  # observed, spine kind
+    policy.observe(plan, [r.slot for r in reqs], extras)
 
 
 def test_choice_follows_cost_and_batch():

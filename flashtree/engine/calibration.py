@@ -2,8 +2,12 @@
 
 A drafted node's value is min(1, beta[depth, kind] * exp(score)) (flashtree/tree/value.py). beta
 is a ratio estimate, accepted nodes over predicted ones, learned from every speculative round:
-for each depth and kind (on the spine of top-1 children, or off it) the walk accepts at most one
-node, and the drafter predicted the sum of that depth and kind's reach probabilities.
+for each depth and kind (on the spine of top-1 children, or off it) the drafter predicted the
+sum of that depth and kind's reach probabilities, and the round observed how many the target
+accepts. The observation is the walk's expectation given the target's logits where that is
+cheap and exact (greedy: the argmax path; temperature-only sampling: each node's sampling
+probability multiplied down its path), which carries far less noise than the walk's 0/1 outcome;
+top-k/top-p rows count the walk's outcome (runner.observation).
 
 Estimates are kept per request and pooled per sampling class (temperature, in tenths: a request
 at T = 1 and one at T = 0 accept very differently), each shrunk toward the level above it by
@@ -93,12 +97,3 @@ class Calibration:
             pp *= DECAY_POOL
             po[:d] += obs[rows].sum(0)
             pp[:d] += pred[rows].sum(0)
-
-
-def observed(accepted: np.ndarray, branch: np.ndarray, depth: int) -> np.ndarray:
-    """[k, depth, 2]: which depth and kind the walk accepted a node at. accepted [k]: drafted
-    nodes accepted; branch [k]: depth of the first accepted node off the spine."""
-    d = np.arange(1, depth + 1)[None, :]
-    took = d <= accepted[:, None]
-    spine = took & (d < branch[:, None])
-    return np.stack([spine, took & ~spine], axis=-1).astype(float)

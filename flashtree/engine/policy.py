@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flashtree.engine.calibration import Calibration, observed, sampling_class
+from flashtree.engine.calibration import Calibration, sampling_class
 from flashtree.engine.cost_model import CostModel
 from flashtree.engine.sequence import Request
 
@@ -276,22 +276,21 @@ class Policy:
         """Tree-curve columns the round reads back: the grid sizes up to the tree's budget."""
         return int(np.searchsorted(self.grid, plan.budget, side="right")) if plan.budget else 0
 
-    def observe(self, plan: RoundPlan, slots: list[int], accepted: list[int], extras: np.ndarray | None) -> None:
-        """Fold in a round's outcome. accepted: drafted tokens accepted per batch row. extras
-        [drafting, 1 + cols + depth + 2 * depth]: per drafting row the first off-spine accepted depth,
-        the tree curve at the grid columns, the chain curve, and the predicted mass per depth and kind."""
+    def observe(self, plan: RoundPlan, slots: list[int], extras: np.ndarray | None) -> None:
+        """Fold in a round's outcome. extras [drafting, cols + 5 * depth], per drafting row: the tree
+        curve at the grid columns, the chain curve, then per depth and kind the drafter's predicted
+        accepted nodes and the observed ones (runner.round_extras)."""
         if extras is None or not plan.drafting:
             return
         rows = plan.draft_rows
         ds = [slots[i] for i in rows]
         classes = [self.cls[s] for s in ds]
         cols, D = self.curve_columns(plan), plan.depth
-        branch = extras[:, 0]
-        curve_t = extras[:, 1 : 1 + cols]
-        curve_c = extras[:, 1 + cols : 1 + cols + D]
-        pred = extras[:, 1 + cols + D :].reshape(len(rows), D, 2)
-        acc = np.array([accepted[i] for i in rows], dtype=float)
-        self.calibration.update(ds, classes, observed(acc, branch, D), pred)
+        curve_t = extras[:, :cols]
+        curve_c = extras[:, cols : cols + D]
+        pred = extras[:, cols + D : cols + 3 * D].reshape(len(rows), D, 2)
+        obs = extras[:, cols + 3 * D :].reshape(len(rows), D, 2)
+        self.calibration.update(ds, classes, obs, pred)
         self.last_seen[ds] = self.rounds
         self.idle[ds] = 0
         c = np.full((len(rows), self.depth), np.nan)

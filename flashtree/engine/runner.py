@@ -30,7 +30,7 @@ from flashtree.models.dflash import DFlashDrafter
 from flashtree.sampler import SamplingBatch, pick
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
 from flashtree.tree.mix import cat_rows, pad_spec, place_rows, root_only
-from flashtree.tree.value import depth_mass, first_branch, node_kinds, node_values, value_curve
+from flashtree.tree.value import depth_mass, node_kinds, node_values, path_reach, value_curve, walked_mass
 
 SAVE_AFTER = 256  # rounds of online refinement after which the cost cache is rewritten (once)
 
@@ -139,7 +139,7 @@ class ModelRunner:
         plan = self.plan(reqs)
         batch, roots = self.inputs.upload(slots, [self.cache.lengths[s] for s in slots], [r.bonus for r in reqs])
         sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device)
-        staged, flush = self.stage(plan, slots)
+        staged, flush = self.stage(plan, reqs)
         if flush:
             with self.clock.stage("draft"):
                 self.append_held(flush, staged)
@@ -150,7 +150,7 @@ class ModelRunner:
             picks = pick(out.logits, sampling, ctx.positions + 1, spec.depth_bound + 1)
         with self.clock.stage("commit"):
             walk = accept_walk(spec, picks)
-            extras = self.round_extras(plan, values, walk, staged)
+            extras = self.round_extras(plan, values, walk, staged, out.logits, picks)
             counts, emitted, host_extras = self.read_round(walk.num_nodes, walk.tokens, extras)
             self.cache.commit(ctx, counts, walk.path, walk.num_nodes)
         if self.drafter is not None:
@@ -175,8 +175,9 @@ class ModelRunner:
         method = self.method if self.drafter is not None else "ar"
         return fixed_plan(len(reqs), method, self.block_size, self.round_budget(len(reqs)))
 
-    def stage(self, plan: RoundPlan, slots: list[int]) -> tuple[dict[str, Tensor], dict[int, list[int]]]:
+    def stage(self, plan: RoundPlan, reqs: list[Request]) -> tuple[dict[str, Tensor], dict[int, list[int]]]:
         """Upload the plan's index lists (and the drafting rows' calibration) in one copy."""
+        slots = [r.slot for r in reqs]
         longs: dict[str, list[int]] = {}
         floats = {}
         rows = plan.draft_rows
@@ -201,6 +202,10 @@ class ModelRunner:
             cols = self.policy.curve_columns(plan)
             if cols:
                 longs["curve_cols"] = [int(b) - 1 for b in self.policy.grid[:cols]]
+            params = [reqs[i].params for i in rows]
+            longs["observe"] = [observation(p) for p in params]
+            if any(observation(p) == BY_TEMPERATURE for p in params):
+                floats["inv_temp"] = np.array([0.0 if p.greedy else 1.0 / p.temperature for p in params])
         return self.staging.upload(longs, floats), flush
 
     def append_held(self, flush: dict[int, list[int]], staged: dict[str, Tensor]) -> None:
@@ -264,7 +269,7 @@ class ModelRunner:
         beta = staged["beta"]
         kinds = node_kinds(part)
         raw, calibrated = node_values(part, kinds, beta)
-        out = {"kinds": kinds, "mass": depth_mass(part, kinds, raw, beta.shape[1])}
+        out = {"part": part, "kinds": kinds, "mass": depth_mass(part, kinds, raw, beta.shape[1])}
         lp = logits.float()
         spine = (lp.amax(-1) - torch.logsumexp(lp, -1)).cumsum(1).exp()  # [k, depth] spine reach
         out["chain"] = (beta[:, : spine.shape[1], 0] * spine).clamp(max=1.0).cumsum(1)
@@ -273,20 +278,40 @@ class ModelRunner:
             out["tree"] = curve.gather(1, staged["curve_cols"][None, :].expand(part.batch_size, -1))
         return out
 
-    def round_extras(self, plan: RoundPlan, values: dict | None, walk, staged: dict[str, Tensor]) -> Tensor | None:
-        """[drafting, 1 + cols + depth + 2 * depth] floats for the policy, read with the round."""
+    def round_extras(self, plan: RoundPlan, values: dict | None, walk, staged: dict[str, Tensor], logits: Tensor,
+                     picks: Tensor) -> Tensor | None:
+        """[drafting, cols + 5 * depth] floats for the policy, read with the round: the tree curve at
+        the grid columns, the chain curve, and per depth and kind the nodes the drafter expected
+        the walk to accept and the nodes it did (see `observation`)."""
         if values is None:
             return None
-        path = walk.path.index_select(0, staged["draft_rows"]) if "draft_rows" in staged else walk.path
-        branch = first_branch(values["kinds"], path).float()[:, None]
-        parts = [branch]
-        if "tree" in values:
-            parts.append(values["tree"])
-        parts += [values["chain"], values["mass"].flatten(1)]
+        part, kinds = values["part"], values["kinds"]
+        depth = values["mass"].shape[1]
+        if "draft_rows" in staged:
+            rows = staged["draft_rows"]
+            path, logits, picks = walk.path.index_select(0, rows), logits.index_select(0, rows), picks.index_select(0, rows)
+        else:
+            path = walk.path
+        R, N = part.tokens.shape
+        parent = part.parents.expand(R, N).clamp(min=0)
+        token = part.tokens.clamp(min=0)
+        edge = torch.where(picks.gather(1, parent) == part.tokens, 0.0, float("-inf"))  # greedy: the argmax or not
+        if "inv_temp" in staged:  # sampled rows: the chance the target samples the node's token
+            x = logits.float()
+            x = (x - x.amax(-1, keepdim=True)) * staged["inv_temp"].view(-1, 1, 1)
+            lp = x.flatten(1).gather(1, parent * x.shape[-1] + token) - torch.logsumexp(x, -1).gather(1, parent)
+            edge = torch.where(staged["observe"][:, None] == BY_TEMPERATURE, lp, edge)
+        drafted = (part.tokens >= 0) & (torch.arange(N, device=edge.device) > 0)
+        reach = torch.where(drafted, path_reach(part, edge).exp(), 0.0)
+        expected = depth_mass(part, kinds, reach, depth)
+        walked = walked_mass(part, kinds, path, depth)
+        obs = torch.where((staged["observe"] == BY_WALK).view(-1, 1, 1), walked, expected)
+        parts = [values["tree"]] if "tree" in values else []
+        parts += [values["chain"], values["mass"].flatten(1), obs.flatten(1)]
         return torch.cat(parts, 1)
 
     def learn(self, plan: RoundPlan, slots: list[int], counts: list[int], extras, seconds: float) -> None:
-        self.policy.observe(plan, slots, [c - 1 for c in counts], extras)
+        self.policy.observe(plan, slots, extras)
         s = self.clock.seconds
         stages = {"verify": s.get("verify", 0.0), "draft_pass": self._draft_pass, "tree": s.get("tree", 0.0)}
         cost = self.policy.cost
@@ -332,6 +357,20 @@ class ModelRunner:
             for i, m in enumerate(plan.modes):
                 if m == AR:
                     self.deferred.counts[slots[i]] += 1
+
+
+BY_ARGMAX, BY_TEMPERATURE, BY_WALK = 0, 1, 2
+
+
+def observation(params) -> int:
+    """How a drafted row's accepted nodes are counted for calibration: greedy rows and
+    temperature-only rows by each node's exact chance of acceptance given the target's logits
+    (the argmax matches, or the sampled token's probability, multiplied down the path: the
+    expectation of what the walk accepts, without the walk's noise); top-k/top-p rows by the
+    walk's own outcome."""
+    if params.greedy:
+        return BY_ARGMAX
+    return BY_TEMPERATURE if params.top_k <= 0 and params.top_p >= 1.0 else BY_WALK
 
 
 def scored_chain(roots: Tensor, logits: Tensor) -> TreeSpec:

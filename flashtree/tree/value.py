@@ -69,10 +69,26 @@ def depth_mass(spec: TreeSpec, kinds: Tensor, raw: Tensor, depth: int) -> Tensor
     return out.scatter_add_(1, d * 2 + kinds, raw).view(R, depth, 2)
 
 
-def first_branch(kinds: Tensor, path: Tensor) -> Tensor:
-    """[R]: depth of the first accepted node off the spine (path.shape[1] when there is none).
-    path [R, A]: the accept walk's node indices, -1 past the accepted ones."""
-    A = path.shape[1]
-    off = (kinds.gather(1, path.clamp(min=0)) == BRANCH) & (path >= 0)
-    steps = torch.arange(A, device=path.device)
-    return torch.where(off, steps, A).amin(1)
+
+
+def path_reach(spec: TreeSpec, edge_logp: Tensor) -> Tensor:
+    """[R, N]: log-probability that the walk reaches each node, from edge_logp [R, N] = the
+    log-probability that the target's pick at a node's parent is the node's token (root: 0)."""
+    R, N = spec.tokens.shape
+    parent = spec.parents.expand(R, N).clamp(min=0)
+    e = torch.where(torch.arange(N, device=edge_logp.device) == 0, 0.0, edge_logp)
+    reach = e
+    for _ in range(spec.depth_bound):
+        reach = e + reach.gather(1, parent)
+    return reach
+
+
+def walked_mass(spec: TreeSpec, kinds: Tensor, path: Tensor, depth: int) -> Tensor:
+    """[R, depth, 2]: the nodes the walk accepted, counted by depth and kind (path [R, A] as from
+    accept_walk: node indices, root first, -1 past the accepted ones)."""
+    R = path.shape[0]
+    node = path[:, 1:].clamp(min=0)
+    took = (path[:, 1:] >= 0).to(torch.float32)
+    d = (spec.depths.expand_as(spec.tokens).gather(1, node) - 1).clamp(0, depth - 1)
+    out = torch.zeros(R, depth * 2, device=path.device)
+    return out.scatter_add_(1, d * 2 + kinds.gather(1, node), took).view(R, depth, 2)
