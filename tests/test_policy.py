@@ -19,7 +19,7 @@ from flashtree.engine.sequence import Request
 from flashtree.tree import build_chain, build_tree
 from flashtree.tree.budget import expected_accepts, truncate
 from flashtree.tree.mix import cat_rows, pad_spec, place_rows, root_only
-from flashtree.tree.value import node_kinds, node_values, spine_mask, value_curve
+from flashtree.tree.value import node_kinds, node_reach, spine_mask, value_curve
 from tiny import make_drafter, make_target
 
 FIELDS = ("tokens", "parents", "depths", "sizes", "scores")
@@ -94,14 +94,12 @@ def test_mixed_window_holds_its_parts():
 
 
 def test_node_values_and_curves():
-    """With beta = 1 the value curve is the drafter's own expected acceptance per budget, and the
-    spine is exactly the nodes whose every token is its depth's top-1."""
+    """The value curve of the nodes' reach is the drafter's own expected acceptance per budget, and
+    the spine is exactly the nodes whose every token is its depth's top-1."""
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(3, 5, 7, generator=g) * 2
     spec = build_tree(torch.tensor([0, 1, 2]), logits, 24)
-    kinds = node_kinds(spec)
-    raw, cal = node_values(spec, kinds, torch.ones(3, 5, 2))
-    assert torch.allclose(value_curve(spec, cal), expected_accepts(spec), atol=1e-5)
+    assert torch.allclose(value_curve(spec, node_reach(spec)), expected_accepts(spec), atol=1e-5)
     top = logits.argmax(-1)
     for r in range(3):
         for i in range(1, int(spec.sizes[r])):
@@ -111,8 +109,7 @@ def test_node_values_and_curves():
                 n = int(spec.parents[r, n])
             on = all(int(spec.tokens[r, m]) == int(top[r, int(spec.depths[r, m]) - 1]) for m in path)
             assert bool(spine_mask(spec)[r, i]) == on
-    _, half = node_values(spec, kinds, torch.full((3, 5, 2), 0.5))
-    assert torch.allclose(half, cal * 0.5)
+    assert torch.equal(node_kinds(spec) == 0, spine_mask(spec))
 
 
 def test_observed_acceptance_is_the_walks_expectation():
@@ -166,17 +163,16 @@ def _requests(n: int, temperature: float = 0.0) -> list[Request]:
 
 
 def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float) -> None:
-    """Pretend the round ran, with a drafter whose spine reach is 0.8^depth (calibrated by the
-    plan's beta, as the device would) and a target that accepts every spine node or none."""
+    """Pretend the round ran, with a drafter whose spine reach is 0.8^depth and whose trees are
+    chains, and a target that accepts each spine node with probability `accept`."""
     D, k = max(plan.depth, 1), plan.drafting
     cols = policy.curve_columns(plan)
     raw = 0.8 ** np.arange(1, D + 1)
-    chain = np.cumsum(np.minimum(1.0, plan.beta[:, :D, 0] * raw), axis=1)  # [k, D]
-    extras = np.zeros((k, cols + 5 * D))
-    extras[:, :cols] = chain[:, np.minimum(policy.grid[:cols], D) - 1]
-    extras[:, cols : cols + D] = chain
-    extras[:, cols + D : cols + 3 * D : 2] = raw  # predicted, spine kind
-    extras[:, cols + 3 * D :: 2] = accept  # observed, spine kind
+    extras = np.zeros((k, 2 * cols + 5 * D))
+    extras[:, :cols] = np.minimum(policy.grid[:cols], D)  # spine nodes in the top-b tree
+    extras[:, 2 * cols : 2 * cols + D] = raw
+    extras[:, 2 * cols + D : 2 * cols + 3 * D : 2] = raw  # predicted, spine kind
+    extras[:, 2 * cols + 3 * D :: 2] = raw * accept  # observed, spine kind
     policy.observe(plan, [r.slot for r in reqs], extras)
 
 

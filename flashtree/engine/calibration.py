@@ -42,11 +42,15 @@ def sampling_class(params: SamplingParams) -> int:
 
 
 class Calibration:
+    """Ratio estimates per request (slot) and pooled per class. A request's rounds on AR steps age
+    its evidence lazily: the caller passes how many it spent since it last drafted (`idle`)."""
+
     def __init__(self, slots: int, depth: int) -> None:
         self.depth = depth
         self.obs = np.zeros((slots, depth, 2))
         self.pred = np.zeros((slots, depth, 2))
         self.pool: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.pool_evidence: dict[int, float] = {}
 
     def reset(self, slot: int) -> None:
         self.obs[slot] = 0.0
@@ -55,6 +59,7 @@ class Calibration:
     def _pool(self, cls: int) -> tuple[np.ndarray, np.ndarray]:
         if cls not in self.pool:
             self.pool[cls] = (np.zeros((self.depth, 2)), np.zeros((self.depth, 2)))
+            self.pool_evidence[cls] = 0.0
         return self.pool[cls]
 
     def pool_beta(self, cls: int) -> np.ndarray:
@@ -62,32 +67,45 @@ class Calibration:
         kind = (obs.sum(0) + K1) / (pred.sum(0) + K1)
         return (obs + K0 * kind) / (pred + K0)
 
-    def beta(self, slots: list[int], classes: list[int]) -> np.ndarray:
+    def beta(self, slots: list[int], classes: list[int], idle: np.ndarray) -> np.ndarray:
         """[len(slots), depth, 2]: each request's estimate."""
         if not slots:
             return np.ones((0, self.depth, 2))
         pools = {c: self.pool_beta(c) for c in set(classes)}
         prior = np.stack([pools[c] for c in classes])
-        b = (self.obs[slots] + K * prior) / (self.pred[slots] + K)
+        age = (DECAY_IDLE ** idle)[:, None, None]
+        b = (age * self.obs[slots] + K * prior) / (age * self.pred[slots] + K)
         return np.clip(b, *BETA_RANGE)
 
-    def evidence(self, slots: list[int], classes: list[int]) -> np.ndarray:
+    def branch_beta(self, slots: list[int], classes: list[int], idle: np.ndarray) -> np.ndarray:
+        """[len(slots)]: one correction for all branch (off-spine) nodes, pooled over depths: tree
+        forecasts apply it to a tree's summed branch reach."""
+        kind = {}
+        for c in set(classes):
+            obs, pred = self._pool(c)
+            kind[c] = (obs[:, 1].sum() + K1) / (pred[:, 1].sum() + K1)
+        prior = np.array([kind[c] for c in classes])
+        age = DECAY_IDLE ** idle
+        b = (age * self.obs[slots, :, 1].sum(1) + K * prior) / (age * self.pred[slots, :, 1].sum(1) + K)
+        return np.clip(b, *BETA_RANGE)
+
+    def evidence(self, slots: list[int], classes: list[int], idle: np.ndarray) -> np.ndarray:
         """[len(slots)]: predicted nodes behind each request's estimate: its own, plus its class's
         counted at a quarter (and at most 10), since other requests' text is only a hint."""
-        own = self.pred[slots].sum((1, 2))
-        pool = np.array([min(10.0, 0.25 * self._pool(c)[1].sum()) for c in classes])
-        return K + own + pool
+        own = self.pred[slots].sum((1, 2)) * DECAY_IDLE ** idle
+        for c in classes:
+            self._pool(c)
+        pool = np.array([self.pool_evidence[c] for c in classes])
+        return K + own + np.minimum(10.0, 0.25 * pool)
 
-    def idle(self, slots: list[int]) -> None:
-        """A round on plain AR steps: no news, and the old news ages."""
-        self.obs[slots] *= DECAY_IDLE
-        self.pred[slots] *= DECAY_IDLE
-
-    def update(self, slots: list[int], classes: list[int], obs: np.ndarray, pred: np.ndarray) -> None:
-        """Fold in one round: obs/pred [k, D', 2] for the speculating requests (D' <= depth)."""
+    def update(self, slots: list[int], classes: list[int], obs: np.ndarray, pred: np.ndarray,
+               idle: np.ndarray) -> None:
+        """Fold in one round: obs/pred [k, D', 2] for the speculating requests (D' <= depth), which
+        spent `idle` [k] rounds on AR steps before it."""
         d = obs.shape[1]
-        self.obs[slots] *= DECAY_REQ
-        self.pred[slots] *= DECAY_REQ
+        age = (DECAY_REQ * DECAY_IDLE ** idle)[:, None, None]
+        self.obs[slots] *= age
+        self.pred[slots] *= age
         self.obs[slots, :d] += obs
         self.pred[slots, :d] += pred
         for c in set(classes):
@@ -97,3 +115,4 @@ class Calibration:
             pp *= DECAY_POOL
             po[:d] += obs[rows].sum(0)
             pp[:d] += pred[rows].sum(0)
+            self.pool_evidence[c] = float(pp.sum())

@@ -43,6 +43,11 @@ def _bracket(points: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return i, (v - points[i]) / (points[i + 1] - points[i])
 
 
+def _scalar_bracket(points: np.ndarray, v: float) -> int:
+    i = int(np.searchsorted(points, v, side="right")) - 1
+    return min(max(i, 0), len(points) - 2)
+
+
 class Grid:
     """Seconds over a 2-D grid of bucket points (each axis at least 2 points), bilinear.
 
@@ -73,18 +78,21 @@ class Grid:
 
     def nudge(self, x: float, y: float, observed: float, rate: float) -> None:
         """Move the corners around (x, y) so the prediction there moves `rate` of the way to
-        `observed` (clipped: one outlier round, e.g. a burst of load, cannot double a cell)."""
-        i, wx = _bracket(self.xs, np.array([float(x)]))
-        j, wy = _bracket(self.ys, np.array([float(y)]))
-        i, j = int(i[0]), int(j[0])
-        wx, wy = float(np.clip(wx[0], 0, 1)), float(np.clip(wy[0], 0, 1))
-        predicted = float(self(x, y))
-        err = float(np.clip(observed - predicted, -0.5 * predicted, predicted)) if predicted > 0 else observed
-        weights = {(i, j): (1 - wx) * (1 - wy), (i + 1, j): wx * (1 - wy), (i, j + 1): (1 - wx) * wy,
-                   (i + 1, j + 1): wx * wy}
-        norm = sum(w * w for w in weights.values())
-        for (a, b), w in weights.items():
-            self.values[a, b] = max(0.0, self.values[a, b] + rate * err * w / norm)
+        `observed` (clipped: one outlier round, e.g. a burst of load, cannot double a cell).
+        Scalar code: it runs every round."""
+        i = _scalar_bracket(self.xs, x)
+        j = _scalar_bracket(self.ys, y)
+        x0, x1, y0, y1 = self.xs[i], self.xs[i + 1], self.ys[j], self.ys[j + 1]
+        wx = min(1.0, max(0.0, (x - x0) / (x1 - x0)))
+        wy = min(1.0, max(0.0, (y - y0) / (y1 - y0)))
+        v = self.values
+        corners = ((i, j, (1 - wx) * (1 - wy)), (i + 1, j, wx * (1 - wy)), (i, j + 1, (1 - wx) * wy),
+                   (i + 1, j + 1, wx * wy))
+        predicted = sum(float(v[a, b]) * w for a, b, w in corners)
+        err = min(max(observed - predicted, -0.5 * predicted), predicted) if predicted > 0 else observed
+        norm = sum(w * w for _, _, w in corners)
+        for a, b, w in corners:
+            v[a, b] = max(0.0, float(v[a, b]) + rate * err * w / norm)
         self._project()
 
     def as_dict(self) -> dict:

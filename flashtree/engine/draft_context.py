@@ -22,10 +22,20 @@ class DeferredContext:
                  capacity: int = CAPACITY) -> None:
         self.capacity = capacity
         self.buffer = torch.zeros(slots, capacity, features, dtype=dtype, device=device)
-        self.counts = [0] * slots  # held-back tokens per slot (host: the runner plans with it)
+        # Held-back tokens per slot, twice: on the host (the runner plans with it) and on the
+        # device (where the next one goes), so parking needs no upload.
+        self.counts = [0] * slots
+        self.next = torch.zeros(slots, dtype=torch.long, device=device)
 
     def reset(self, slot: int) -> None:
         self.counts[slot] = 0
+        self.next[slot] = 0
+
+    def emptied(self, slots: list[int], on_device: Tensor) -> None:
+        """These slots' held-back tokens were appended (slots also as a device tensor)."""
+        for s in slots:
+            self.counts[s] = 0
+        self.next.index_fill_(0, on_device, 0)
 
     def due(self, drafting: list[int], idle: list[int]) -> list[int]:
         """Slots to append now: drafting ones holding anything, idle ones whose buffer is full."""
@@ -38,9 +48,12 @@ class DeferredContext:
             out.setdefault(self.counts[s], []).append(s)
         return out
 
-    def park(self, slots: Tensor, positions: Tensor, features: Tensor) -> None:
-        """Hold features [k, F] at (slots [k], positions [k]) (device indices)."""
-        self.buffer[slots, positions] = features
+    def park(self, slot_list: list[int], slots: Tensor, features: Tensor) -> None:
+        """Hold one token's features [k, F] for each slot (slots [k] on the device)."""
+        self.buffer[slots, self.next[slots]] = features
+        self.next.index_add_(0, slots, torch.ones_like(slots))
+        for s in slot_list:
+            self.counts[s] += 1
 
     def held(self, slots: Tensor, n: int) -> Tensor:
         """[k, n, F]: the first n held-back features of slots [k]."""

@@ -4,16 +4,20 @@ per second.
 
     rate = (R + sum over drafting rows of E_r) / seconds(plan)
 
-E_r is the calibrated expected number of drafted tokens the target accepts (calibration.py),
-read off curves that drafts of that request left behind. Every draft yields the chain curve
-(calibrated spine reach summed by depth); a tree draft also yields the top-b tree's curve at the
-grid sizes up to its budget, kept as its gap over the chain of the same draft (how much the
-siblings add), which is a steadier quantity than either. A draft's confidence swings from round
-to round, so the chain forecast blends the last draft's curve with the request's running mean
+E_r is the calibrated expected number of drafted tokens the target accepts. Its raw material is
+what drafts of that request left behind, read back with each round's one read: the drafter's
+spine reach per depth (prefix probability of the top-1 path) and, for a tree, per grid size b
+how many spine nodes the top-b tree holds and how much raw reach its branch nodes add. The
+current calibration (calibration.py) turns these into E at plan time:
+
+    chain(l) = sum_{d <= l} min(1, beta[d, spine] * reach_d)
+    tree(b)  = chain(spine nodes in the top-b tree) + beta_branch * branch reach(b)
+
+so a correction learned later applies to old drafts too. A draft's confidence swings from round
+to round, so the spine forecast blends the last draft's reach with the request's running mean
 (which starts from its class's), the last one's weight fading while the request takes AR steps;
-the tree forecast is that plus the request's mean gap. Sizes past those seen are extrapolated
-(geometric increments, at ratios learned from trees that were that big). seconds(plan) comes
-from the cost model.
+tree structure comes from the means. Sizes past those seen are extrapolated (geometric
+increments, at ratios learned from trees that were that big). seconds(plan) is the cost model's.
 
 A batch verifies one window for all its rows (shorter rows are padding), so the round's node
 budget is spent by widening everyone's window: for each window on the grid, rows are taken in
@@ -28,6 +32,9 @@ does not lock a request out of speculating, while a class that has shown many ti
 drafts do not pay (T = 1 with a weak drafter) is hardly ever drafted for. On top of that,
 requests that stopped drafting are probed now and then (a speculative round chosen only to
 learn), paid from a credit of PROBE_SHARE of the time spent.
+
+When a batch is clearly better off on AR steps, the plan holds for a few rounds (more the
+clearer it is), so that steady state costs almost no host time per round.
 """
 
 from __future__ import annotations
@@ -43,12 +50,13 @@ from flashtree.engine.sequence import Request
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 AR, CHAIN, TREE = 0, 1, 2
 MODE_NAMES = ("ar", "chain", "tree")
-PROBE_SHARE = 0.01  # of round time, spent on speculative rounds the model does not expect to pay
+PROBE_SHARE = 0.005  # of round time, spent on speculative rounds the model does not expect to pay
 RHO_PRIOR = 0.8  # increment ratio between grid sizes before any tree that big was seen
-SPINE_PRIOR = 0.7  # per-depth acceptance assumed for a sampling class nobody has drafted in yet
+SPINE_PRIOR = 0.7  # per-depth spine reach ratio assumed for a class nobody has drafted in yet
 POOL_RATE = 0.1  # EMA weight of one row in a class's pooled curves
 MEAN_RATE = 0.3  # EMA weight of one round in a request's mean curves
 LAST_WEIGHT, LAST_FADE = 0.5, 0.8  # the last draft's share of the forecast, and its fade per AR round
+MAX_HOLD = 32  # rounds an all-AR plan may be reused without re-planning
 
 
 @dataclass
@@ -65,7 +73,6 @@ class RoundPlan:
     predicted: list[float] = field(default_factory=list)  # per batch row: expected accepted drafted tokens
     seconds: float = 0.0
     probes: list[int] = field(default_factory=list)
-    beta: np.ndarray | None = None  # [len(draft_rows), depth, 2] calibration of the drafting rows
     learn: bool = False  # read back curves and calibration data (auto only)
     column: int = 0  # the window's grid index (auto only)
 
@@ -105,12 +112,22 @@ class Policy:
         self.calibration = Calibration(slots, D)
         self.owner: list[str | None] = [None] * slots
         self.cls = [0] * slots
-        # Per slot: the last draft's chain curve (NaN past the depth drafted), its running mean,
-        # the mean gap tree - chain per grid size (NaN: no tree that big yet), rounds since a draft.
-        self.ec = np.full((slots, D), np.nan)
-        self.ec_mean = np.full((slots, D), np.nan)
-        self.gap = np.full((slots, G), np.nan)
+        # Per slot: the last draft's spine reach per depth (NaN past the depth drafted), its
+        # running mean, the tree structure per grid size (spine nodes in the top-b tree, branch
+        # reach; NaN: no tree that big seen yet), and rounds since the last draft.
+        self.reach = np.full((slots, D), np.nan)
+        self.reach_mean = np.full((slots, D), np.nan)
+        self.spine_nodes = np.full((slots, G), np.nan)
+        self.branch = np.full((slots, G), np.nan)
         self.idle = np.zeros(slots)
+        # Forecasts at every size [slots, G] (tree) and [slots, D] (chain), from the last draft
+        # and from the means, refreshed when a slot's data or calibration changes (so a round
+        # on AR steps costs a blend, not the calibration and extrapolation).
+        self.fc_last_t = np.zeros((slots, G))
+        self.fc_last_c = np.zeros((slots, D))
+        self.fc_mean_t = np.zeros((slots, G))
+        self.fc_mean_c = np.zeros((slots, D))
+        self.has_last = np.zeros(slots, dtype=bool)
         self.last_seen = np.zeros(slots)
         self.pools: dict[int, dict[str, np.ndarray]] = {}
         self.rounds = 0
@@ -118,6 +135,8 @@ class Policy:
         self.rate = 0.0  # the last plan's predicted tokens per second
         self._costs: dict[int, tuple[int, dict]] = {}
         self.rng = np.random.default_rng(0)
+        self.hold: tuple[list[str], RoundPlan] | None = None  # an all-AR plan reused while the batch stays
+        self.hold_left = 0
 
     # ---- per-request state ---------------------------------------------------------------
 
@@ -129,27 +148,51 @@ class Policy:
         self.cls[s] = sampling_class(req.params)
         self.calibration.reset(s)
         pool = self._pool(self.cls[s])
-        self.ec[s] = np.nan
-        self.ec_mean[s], self.gap[s] = pool["ec"], pool["gap"]
+        self.reach[s] = np.nan
+        self.reach_mean[s], self.spine_nodes[s], self.branch[s] = pool["reach"], pool["spine_nodes"], pool["branch"]
         self.idle[s] = 0
         self.last_seen[s] = self.rounds
+        self._refresh([s])
 
     def _pool(self, cls: int) -> dict[str, np.ndarray]:
         if cls not in self.pools:
             G, D = len(self.grid), self.depth
-            gap = np.full(G, np.nan)
-            gap[0] = 0.0  # the top-1 tree is the chain of one
-            self.pools[cls] = {"ec": np.cumsum(SPINE_PRIOR ** np.arange(1, D + 1)), "gap": gap,
-                               "rho": np.full(G, RHO_PRIOR)}
+            spine_nodes, branch = np.full(G, np.nan), np.full(G, np.nan)
+            spine_nodes[0], branch[0] = 1.0, 0.0  # the top-1 tree is the chain of one
+            self.pools[cls] = {"reach": SPINE_PRIOR ** np.arange(1, D + 1), "spine_nodes": spine_nodes,
+                               "branch": branch, "rho": np.full(G, RHO_PRIOR)}
         return self.pools[cls]
 
+    def _calibrated(self, slots: list[int], reach: np.ndarray, spine_nodes: np.ndarray,
+                    branch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Tree [k, G] and chain [k, D] expected accepts from raw draft data, under each slot's
+        current calibration, extended past the sizes seen."""
+        classes = [self.cls[s] for s in slots]
+        beta = self.calibration.beta(slots, classes, self.idle[slots])
+        chain = np.cumsum(np.minimum(1.0, beta[:, :, 0] * extend_reach(reach)), axis=1)
+        at = np.clip(np.nan_to_num(spine_nodes, nan=1.0).astype(int), 1, self.depth) - 1
+        tree = np.take_along_axis(chain, at, 1) + self.calibration.branch_beta(slots, classes, self.idle[slots])[:, None] * branch
+        rho = np.stack([self._pool(c)["rho"] for c in classes])
+        return np.clip(extend_tree(tree, rho), 0.0, self.depth), chain
+
+    def _refresh(self, slots: list[int]) -> None:
+        """Recompute the forecasts of these slots."""
+        self.fc_mean_t[slots], self.fc_mean_c[slots] = self._calibrated(slots, self.reach_mean[slots],
+                                                                        self.spine_nodes[slots], self.branch[slots])
+        last = self.reach[slots]
+        has = ~np.isnan(last[:, 0])
+        self.has_last[slots] = has
+        if has.any():
+            t, c = self._calibrated(slots, np.where(has[:, None], last, self.reach_mean[slots]),
+                                    self.spine_nodes[slots], self.branch[slots])
+            self.fc_last_t[slots], self.fc_last_c[slots] = t, c
+
     def _curves(self, slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """[R, G] tree and [R, D] chain forecasts with every entry filled."""
-        rho = np.stack([self._pool(self.cls[s])["rho"] for s in slots])
-        w = (LAST_WEIGHT * LAST_FADE ** self.idle[slots])[:, None]
-        mean, last = extend_chain(self.ec_mean[slots]), self.ec[slots]
-        ec = np.where(np.isnan(last[:, :1]), mean, w * extend_chain(last) + (1 - w) * mean)
-        et = extend_tree(ec[:, np.minimum(self.grid, self.depth) - 1] + self.gap[slots], rho)
+        """[R, G] tree and [R, D] chain forecasts with every entry filled: the last draft's curves
+        blended into the means, the last one's weight fading with rounds spent on AR steps."""
+        w = (LAST_WEIGHT * LAST_FADE ** self.idle[slots] * self.has_last[slots])[:, None]
+        et = w * self.fc_last_t[slots] + (1 - w) * self.fc_mean_t[slots]
+        ec = w * self.fc_last_c[slots] + (1 - w) * self.fc_mean_c[slots]
         return np.clip(et, 0.0, self.depth), ec
 
     # ---- costs ------------------------------------------------------------------------------
@@ -171,6 +214,8 @@ class Policy:
             "over_spec": float(c.overhead(rows, 1)) * c.scale,
             "ar": (float(c.verify(rows, 1)) + float(c.overhead(rows, 0))) * c.scale,
         }
+        # A lower bound on any drafting round's seconds: one row, the cheapest window.
+        tables["spec_min"] = float((tables["verify_chain"][0] + tables["draft"][0]).min() + tables["over_spec"])
         self._costs[rows] = (self.cost.refined // 16, tables)
         return tables
 
@@ -178,9 +223,21 @@ class Policy:
 
     def plan(self, reqs: list[Request]) -> RoundPlan:
         R = len(reqs)
+        ids = [r.request_id for r in reqs]
+        if self.hold_left and self.hold[0] == ids:
+            self.hold_left -= 1
+            plan = self.hold[1]
+            self.credit += PROBE_SHARE * plan.seconds
+            self.rounds += 1
+            self.idle[[r.slot for r in reqs]] += 1
+            return plan
+        self.hold_left = 0
         for r in reqs:
             self._claim(r)
         slots = [r.slot for r in reqs]
+        aged = [s for s in slots if self.idle[s]]
+        if aged:  # their calibration drifted toward the pool while they took AR steps
+            self._refresh(aged)
         et, ec = self._curves(slots)
         cap = min(int(self.grid[-1]), self.max_round_tokens // R - 1)
         cols = int(np.searchsorted(self.grid, cap, side="right"))
@@ -188,14 +245,22 @@ class Policy:
         plan = RoundPlan([AR] * R, predicted=[0.0] * R, seconds=t["ar"], learn=True)
         rate = R / t["ar"]
         if cols > 0:
+            n = self.calibration.evidence(slots, [self.cls[s] for s in slots], self.idle[slots])
+            luck = self.rng.gamma(n, 1.0 / n)  # explore where the evidence is thin
+            # Cheap exit, the steady state of a batch that does not pay: even every row's best
+            # gain at the cheapest drafting round cannot beat AR.
+            bound = (R + luck @ np.maximum(et.max(1), ec.max(1))) / t["spec_min"]
+            if bound <= rate:
+                cols = 0
+                self._hold(ids, plan, bound / rate)
+        if cols > 0:
             g = self.grid[:cols]
             gain_t = et[:, :cols]
             gain_c = ec[:, np.minimum(g, self.depth) - 1]
             # A tree row costs its share of the build over a chain row; price it in tokens.
             use_tree = gain_t - (self.rate or rate) * t["tree_row"][None, :cols] > gain_c
             gain = np.where(use_tree, gain_t, gain_c)
-            n = self.calibration.evidence(slots, [self.cls[s] for s in slots])
-            drawn = gain * self.rng.gamma(n, 1.0 / n)[:, None]  # explore where the evidence is thin
+            drawn = gain * luck[:, None]
             order = np.argsort(-drawn, axis=0, kind="stable")  # per window: rows by gain
             tokens = R + np.cumsum(np.take_along_axis(drawn, order, 0), 0)  # [k-1, j]: the first k rows draft
             kt = np.cumsum(np.take_along_axis(use_tree, order, 0), 0)  # tree rows among them
@@ -204,20 +269,24 @@ class Policy:
             seconds = verify + t["draft"][:, :cols] + build + t["over_spec"]
             rates = tokens / seconds
             k, j = np.unravel_index(np.argmax(rates), rates.shape)
-            if rates[k, j] > rate:
+            if rates[k, j] <= rate:
+                self._hold(ids, plan, float(rates[k, j]) / rate)
+            else:
                 rows = [int(i) for i in order[: k + 1, j]]
                 plan = self._build(R, rows, use_tree[:, j], gain[:, j], int(j), float(seconds[k, j]))
                 rate = float(rates[k, j])
-            if AR in plan.modes:
-                self._probe(plan, slots, et, ec, t, cols)
+        if AR in plan.modes and self.grid[0] <= cap:
+            self._probe(plan, slots, et, ec, t, int(np.searchsorted(self.grid, cap, side="right")))
         self.rate = rate
         self.rounds += 1
-        idle = [slots[i] for i, m in enumerate(plan.modes) if m == AR]
-        self.calibration.idle(idle)
-        self.idle[idle] += 1
-        ds = [slots[i] for i in plan.draft_rows]
-        plan.beta = self.calibration.beta(ds, [self.cls[s] for s in ds])[:, : max(plan.depth, 1)]
+        self.idle[[slots[i] for i, m in enumerate(plan.modes) if m == AR]] += 1
         return plan
+
+    def _hold(self, ids: list[str], plan: RoundPlan, ratio: float) -> None:
+        """Reuse this all-AR plan for the next rounds: the further drafting is from paying
+        (ratio = its best rate over AR's), the longer."""
+        self.hold = (ids, plan)
+        self.hold_left = int(min(MAX_HOLD, max(0.0, 64 * (1 - ratio))))
 
     def _build(self, R: int, rows: list[int], use_tree: np.ndarray, gain: np.ndarray, column: int,
                seconds: float) -> RoundPlan:
@@ -255,6 +324,7 @@ class Policy:
         if self.credit < extra:
             return
         self.credit -= extra
+        self.hold_left = 0  # this plan is no longer all-AR
         size = int(self.grid[j])
         if not plan.drafting:
             plan.window, plan.budget, plan.depth, plan.column = size + 1, size, min(size, self.depth), j
@@ -277,42 +347,53 @@ class Policy:
         return int(np.searchsorted(self.grid, plan.budget, side="right")) if plan.budget else 0
 
     def observe(self, plan: RoundPlan, slots: list[int], extras: np.ndarray | None) -> None:
-        """Fold in a round's outcome. extras [drafting, cols + 5 * depth], per drafting row: the tree
-        curve at the grid columns, the chain curve, then per depth and kind the drafter's predicted
-        accepted nodes and the observed ones (runner.round_extras)."""
+        """Fold in a round's outcome. extras [drafting, 2 * cols + 5 * depth], per drafting row (see
+        runner.round_extras): spine nodes and branch reach of the top-b tree at the grid columns,
+        the spine reach per depth, then per depth and kind the drafter's predicted accepted nodes
+        and the observed ones."""
         if extras is None or not plan.drafting:
             return
         rows = plan.draft_rows
+        k = len(rows)
         ds = [slots[i] for i in rows]
         classes = [self.cls[s] for s in ds]
         cols, D = self.curve_columns(plan), plan.depth
-        curve_t = extras[:, :cols]
-        curve_c = extras[:, cols : cols + D]
-        pred = extras[:, cols + D : cols + 3 * D].reshape(len(rows), D, 2)
-        obs = extras[:, cols + 3 * D :].reshape(len(rows), D, 2)
-        self.calibration.update(ds, classes, obs, pred)
+        spine_nodes, branch = extras[:, :cols], extras[:, cols : 2 * cols]
+        reach = extras[:, 2 * cols : 2 * cols + D]
+        pred = extras[:, 2 * cols + D : 2 * cols + 3 * D].reshape(k, D, 2)
+        obs = extras[:, 2 * cols + 3 * D :].reshape(k, D, 2)
+        self.calibration.update(ds, classes, obs, pred, self.idle[ds])
         self.last_seen[ds] = self.rounds
         self.idle[ds] = 0
-        c = np.full((len(rows), self.depth), np.nan)
-        c[:, :D] = curve_c
-        self.ec[ds] = c
-        self.ec_mean[ds] = blend(self.ec_mean[ds], c, MEAN_RATE)
+        r = np.full((k, self.depth), np.nan)
+        r[:, :D] = reach
+        self.reach[ds] = r
+        self.reach_mean[ds] = blend(self.reach_mean[ds], r, MEAN_RATE)
         nt = plan.tree_rows
-        gap = np.full((nt, self.gap.shape[1]), np.nan)
+        sn, br = np.full((nt, len(self.grid)), np.nan), np.full((nt, len(self.grid)), np.nan)
         if nt and cols:
-            gap[:, :cols] = curve_t[:nt] - curve_c[:nt][:, np.minimum(self.grid[:cols], D) - 1]
-            self.gap[ds[:nt]] = blend(self.gap[ds[:nt]], gap, MEAN_RATE)
+            sn[:, :cols], br[:, :cols] = spine_nodes[:nt], branch[:nt]
+            tree_slots = ds[:nt]
+            self.spine_nodes[tree_slots] = blend(self.spine_nodes[tree_slots], sn, MEAN_RATE)
+            self.branch[tree_slots] = blend(self.branch[tree_slots], br, MEAN_RATE)
         for cls in set(classes):
             mine = [i for i, x in enumerate(classes) if x == cls]
             pool = self._pool(cls)
-            pool["ec"] = blend(pool["ec"][None], c[mine].mean(0)[None], POOL_RATE)[0]
-            tree_mine = [i for i in mine if i < nt]
-            if tree_mine and cols:
-                pool["gap"] = blend(pool["gap"][None], gap[tree_mine].mean(0)[None], POOL_RATE)[0]
-                if cols >= 2:  # rho[m] = increment m+1 over increment m (increment 0 = E at the first size)
-                    inc = np.diff(np.concatenate([[0.0], curve_t[tree_mine].mean(0)]))
-                    ratio = np.divide(inc[1:], inc[:-1], out=np.full(cols - 1, RHO_PRIOR), where=inc[:-1] > 1e-6)
-                    pool["rho"][: cols - 1] += POOL_RATE * (np.clip(ratio, 0.0, 1.5) - pool["rho"][: cols - 1])
+            pool["reach"] = blend(pool["reach"][None], r[mine].mean(0)[None], POOL_RATE)[0]
+            trees = [i for i in mine if i < nt]
+            if trees and cols:
+                pool["spine_nodes"] = blend(pool["spine_nodes"][None], sn[trees].mean(0)[None], POOL_RATE)[0]
+                pool["branch"] = blend(pool["branch"][None], br[trees].mean(0)[None], POOL_RATE)[0]
+        self._refresh(ds)
+        if nt and cols >= 2:  # rho[m] = increment m+1 over increment m of the calibrated tree curve
+            for cls in set(classes[:nt]):
+                mine = [i for i in range(nt) if classes[i] == cls]
+                curve = self.fc_last_t[[ds[i] for i in mine]][:, :cols].mean(0)
+                inc = np.diff(np.concatenate([[0.0], curve]))
+                ratio = np.divide(inc[1:], inc[:-1], out=np.full(cols - 1, RHO_PRIOR), where=inc[:-1] > 1e-6)
+                rho = self._pool(cls)["rho"]
+                rho[: cols - 1] += POOL_RATE * (np.clip(ratio, 0.0, 1.5) - rho[: cols - 1])
+
 
 def blend(mean: np.ndarray, new: np.ndarray, rate: float) -> np.ndarray:
     """EMA step where `new` is known; entries `mean` lacks take `new` as is; NaN in new keeps mean."""
@@ -331,14 +412,13 @@ def extend_tree(curve: np.ndarray, rho: np.ndarray) -> np.ndarray:
     return et
 
 
-def extend_chain(curve: np.ndarray) -> np.ndarray:
-    """Fill unknown depths: reach at depth d+1 ~ reach at d times the last conditional (the
-    root's reach is 1)."""
-    ec = curve.copy()
-    ec[:, 0] = np.where(np.isnan(ec[:, 0]), 0.0, ec[:, 0])
-    for d in range(1, ec.shape[1]):
-        inc1 = ec[:, d - 1] - (ec[:, d - 2] if d >= 2 else 0.0)
-        inc0 = (ec[:, d - 2] - (ec[:, d - 3] if d >= 3 else 0.0)) if d >= 2 else np.ones(len(ec))
-        ratio = np.clip(np.divide(inc1, inc0, out=np.zeros_like(inc1), where=inc0 > 1e-9), 0.0, 0.95)
-        ec[:, d] = np.where(np.isnan(ec[:, d]), ec[:, d - 1] + inc1 * ratio, ec[:, d])
-    return ec
+def extend_reach(reach: np.ndarray) -> np.ndarray:
+    """Fill unknown depths of spine reach: each further depth multiplies by the last conditional
+    (reach_d / reach_{d-1}, the root's reach being 1)."""
+    out = reach.copy()
+    out[:, 0] = np.where(np.isnan(out[:, 0]), SPINE_PRIOR, out[:, 0])
+    for d in range(1, out.shape[1]):
+        before = out[:, d - 2] if d >= 2 else np.ones(len(out))
+        ratio = np.clip(np.divide(out[:, d - 1], before, out=np.zeros(len(out)), where=before > 1e-12), 0.0, 0.98)
+        out[:, d] = np.where(np.isnan(out[:, d]), out[:, d - 1] * ratio, out[:, d])
+    return out

@@ -30,9 +30,10 @@ from flashtree.models.dflash import DFlashDrafter
 from flashtree.sampler import SamplingBatch, pick
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
 from flashtree.tree.mix import cat_rows, pad_spec, place_rows, root_only
-from flashtree.tree.value import depth_mass, node_kinds, node_values, path_reach, value_curve, walked_mass
+from flashtree.tree.value import SPINE, depth_mass, node_kinds, node_reach, path_reach, value_curve, walked_mass
 
 SAVE_AFTER = 256  # rounds of online refinement after which the cost cache is rewritten (once)
+AR_REFINE_EVERY = 8  # plain AR rounds are timed into the cost model one in this many
 
 
 class StageClock:
@@ -192,13 +193,10 @@ class ModelRunner:
             for n, group in flush.items():
                 longs[f"held{n}"] = group
                 longs[f"held{n}_starts"] = [self.draft_cache.lengths[s] for s in group]
-            if idle:
-                flushed = {s for g in flush.values() for s in g}
+            if idle and len(idle) < len(slots):  # all idle: the batch's own slot tensor serves
                 longs["idle_rows"] = idle
                 longs["idle_slots"] = [slots[i] for i in idle]
-                longs["idle_pos"] = [0 if slots[i] in flushed else self.deferred.counts[slots[i]] for i in idle]
         if plan.learn and plan.drafting:
-            floats["beta"] = plan.beta
             cols = self.policy.curve_columns(plan)
             if cols:
                 longs["curve_cols"] = [int(b) - 1 for b in self.policy.grid[:cols]]
@@ -216,8 +214,7 @@ class ModelRunner:
             ctx = ForwardContext.block(self.draft_cache, batch, n)
             self.drafter.add_context(ctx, self.deferred.held(batch.slots, n))
             self.draft_cache.commit(ctx, [n] * len(group))
-            for s in group:
-                self.deferred.reset(s)
+            self.deferred.emptied(group, batch.slots)
 
     def _draft_batch(self, batch: SlotBatch, plan: RoundPlan, staged: dict[str, Tensor]) -> SlotBatch:
         if "draft_rows" not in staged:
@@ -264,25 +261,26 @@ class ModelRunner:
     # ---- what the policy learns from ------------------------------------------------------
 
     def node_values(self, part: TreeSpec, logits: Tensor, staged: dict[str, Tensor]) -> dict:
-        """Per drafted row: node kinds, raw and calibrated node values, the tree curve at the grid
-        columns, the chain curve (calibrated spine reach summed by depth), and predicted mass."""
-        beta = staged["beta"]
+        """Per drafted row, raw (drafter's own) data for the policy: node kinds and reach, the
+        reach summed by depth and kind, the spine's reach per depth, and for tree rows, per grid
+        size b, the spine nodes and the branch reach of the top-b tree."""
         kinds = node_kinds(part)
-        raw, calibrated = node_values(part, kinds, beta)
-        out = {"part": part, "kinds": kinds, "mass": depth_mass(part, kinds, raw, beta.shape[1])}
+        raw = node_reach(part)
         lp = logits.float()
-        spine = (lp.amax(-1) - torch.logsumexp(lp, -1)).cumsum(1).exp()  # [k, depth] spine reach
-        out["chain"] = (beta[:, : spine.shape[1], 0] * spine).clamp(max=1.0).cumsum(1)
+        out = {"part": part, "kinds": kinds, "mass": depth_mass(part, kinds, raw, logits.shape[1]),
+               "spine": (lp.amax(-1) - torch.logsumexp(lp, -1)).cumsum(1).exp()}
         if "curve_cols" in staged:
-            curve = value_curve(part, calibrated)
-            out["tree"] = curve.gather(1, staged["curve_cols"][None, :].expand(part.batch_size, -1))
+            cols = staged["curve_cols"][None, :].expand(part.batch_size, -1)
+            spine = value_curve(part, ((kinds == SPINE) & (raw > 0)).float()).gather(1, cols)
+            branch = value_curve(part, torch.where(kinds == SPINE, 0.0, raw)).gather(1, cols)
+            out["tree"] = torch.cat([spine, branch], 1)
         return out
 
     def round_extras(self, plan: RoundPlan, values: dict | None, walk, staged: dict[str, Tensor], logits: Tensor,
                      picks: Tensor) -> Tensor | None:
-        """[drafting, cols + 5 * depth] floats for the policy, read with the round: the tree curve at
-        the grid columns, the chain curve, and per depth and kind the nodes the drafter expected
-        the walk to accept and the nodes it did (see `observation`)."""
+        """[drafting, 2 * cols + 5 * depth] floats for the policy, read with the round: the tree data
+        at the grid columns, the spine reach per depth, and per depth and kind the nodes the
+        drafter expected the walk to accept and the nodes it did (see `observation`)."""
         if values is None:
             return None
         part, kinds = values["part"], values["kinds"]
@@ -307,11 +305,13 @@ class ModelRunner:
         walked = walked_mass(part, kinds, path, depth)
         obs = torch.where((staged["observe"] == BY_WALK).view(-1, 1, 1), walked, expected)
         parts = [values["tree"]] if "tree" in values else []
-        parts += [values["chain"], values["mass"].flatten(1), obs.flatten(1)]
+        parts += [values["spine"], values["mass"].flatten(1), obs.flatten(1)]
         return torch.cat(parts, 1)
 
     def learn(self, plan: RoundPlan, slots: list[int], counts: list[int], extras, seconds: float) -> None:
         self.policy.observe(plan, slots, extras)
+        if not plan.drafting and self.policy.rounds % AR_REFINE_EVERY:
+            return  # AR rounds repeat one shape: a sample of them keeps the model current
         s = self.clock.seconds
         stages = {"verify": s.get("verify", 0.0), "draft_pass": self._draft_pass, "tree": s.get("tree", 0.0)}
         cost = self.policy.cost
@@ -351,12 +351,12 @@ class ModelRunner:
             dctx = ForwardContext.block(self.draft_cache, sub, path.shape[1])
             self.drafter.add_context(dctx, gather_nodes(feats, path))
             self.draft_cache.commit(dctx, kept)
-        if "idle_rows" in staged:
-            self.deferred.park(staged["idle_slots"], staged["idle_pos"],
-                               features.index_select(0, staged["idle_rows"])[:, 0])
-            for i, m in enumerate(plan.modes):
-                if m == AR:
-                    self.deferred.counts[slots[i]] += 1
+        if self.deferred is not None and AR in plan.modes:
+            if "idle_rows" in staged:
+                idle = [slots[i] for i, m in enumerate(plan.modes) if m == AR]
+                self.deferred.park(idle, staged["idle_slots"], features.index_select(0, staged["idle_rows"])[:, 0])
+            else:
+                self.deferred.park(slots, batch.slots, features[:, 0])
 
 
 BY_ARGMAX, BY_TEMPERATURE, BY_WALK = 0, 1, 2

@@ -1,11 +1,11 @@
-"""What a draft tree is worth: each node's chance of being accepted, as the drafter sees it and
-corrected by a calibration table, summed into expected acceptance per tree size.
+"""What a draft tree is worth: each node's chance of being accepted, as the drafter sees it, and
+summed by depth and kind or per tree size; and what the target made of it.
 
 Under the drafter's own distribution a node is reached with its prefix probability exp(score).
 The drafter misjudges that in a way that depends on where the node sits (DESIGN.md: the spine
-of top-1 children holds up far better than a branch taken after a sibling), so a node's value is
-min(1, beta[depth, kind] * exp(score)), kind 0 on the spine and 1 off it. Everything here is
-batched tensor code with no host read; the engine learns beta from what the target accepted.
+of top-1 children holds up far better than a branch taken after a sibling), so the engine
+corrects it per depth and kind (SPINE, BRANCH), learning the correction from what the target
+accepted. Everything here is batched tensor code with no host read.
 """
 import torch
 from torch import Tensor
@@ -40,21 +40,17 @@ def node_kinds(spec: TreeSpec) -> Tensor:
     return torch.where(spine_mask(spec), SPINE, BRANCH)
 
 
-def node_values(spec: TreeSpec, kinds: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
-    """(raw, calibrated) [R, N]: exp(score) and min(1, beta[r, depth-1, kind] * exp(score)) for
-    drafted nodes; 0 for the root and padding. beta [R, D, 2] covers depths 1..D."""
+def node_reach(spec: TreeSpec) -> Tensor:
+    """[R, N]: exp(score), the drafter's chance of the walk reaching each drafted node; 0 for the
+    root and padding."""
     R, N = spec.tokens.shape
-    drafted = (spec.tokens >= 0) & (torch.arange(N, device=kinds.device) > 0)
-    raw = torch.where(drafted, spec.scores.exp(), 0.0)
-    D = beta.shape[1]
-    depth = (spec.depths.expand(R, N) - 1).clamp(0, D - 1)
-    b = beta.gather(1, depth[..., None].expand(R, N, 2)).gather(2, kinds[..., None])[..., 0]
-    return raw, torch.where(drafted, (b * raw).clamp(max=1.0), 0.0)
+    drafted = (spec.tokens >= 0) & (torch.arange(N, device=spec.tokens.device) > 0)
+    return torch.where(drafted, spec.scores.exp(), 0.0)
 
 
 def value_curve(spec: TreeSpec, values: Tensor) -> Tensor:
-    """[R, N-1]: entry b-1 = summed value of the top-b subtree (the top-b nodes by score in the
-    builders' tie order, which is exactly the tree a budget-b build gives)."""
+    """[R, N-1]: entry b-1 = summed per-node values [R, N] over the top-b subtree (the top-b nodes by
+    score in the builders' tie order, which is exactly the tree a budget-b build gives)."""
     scores = torch.where(spec.tokens >= 0, spec.scores, float("-inf"))[:, 1:]
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices
     return values[:, 1:].gather(1, order).cumsum(1)
