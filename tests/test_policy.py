@@ -173,7 +173,8 @@ def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float) -
     extras[:, 2 * cols : 2 * cols + D] = raw
     extras[:, 2 * cols + D : 2 * cols + 3 * D : 2] = raw  # predicted, spine kind
     extras[:, 2 * cols + 3 * D :: 2] = raw * accept  # observed, spine kind
-    policy.observe(plan, [r.slot for r in reqs], extras)
+    accepted = [int(round(accept * min(D, 15))) if m != AR else 0 for m in plan.modes]
+    policy.observe(plan, [r.slot for r in reqs], extras, accepted)
 
 
 def test_choice_follows_cost_and_batch():

@@ -51,8 +51,10 @@ def _scalar_bracket(points: np.ndarray, v: float) -> int:
 class Grid:
     """Seconds over a 2-D grid of bucket points (each axis at least 2 points), bilinear.
 
-    `monotone` names the axes along which cost cannot fall (more rows, a wider window); after
-    every change each point is capped by the larger ones, because noise only ever adds time.
+    `monotone` names the axes along which cost cannot fall (more rows, a wider window): after
+    every change each point is lifted to the smaller ones, so no plan can look cheaper by growing.
+    (Startup measurements are made monotone the other way, capped by the larger points, since
+    there noise only ever adds time: see _floor.)
     """
 
     def __init__(self, xs, ys, values, monotone: tuple[int, ...] = (0, 1)) -> None:
@@ -64,8 +66,7 @@ class Grid:
 
     def _project(self) -> None:
         for axis in self.monotone:
-            flipped = np.flip(self.values, axis)
-            self.values = np.flip(np.minimum.accumulate(flipped, axis=axis), axis).copy()
+            self.values = np.maximum.accumulate(self.values, axis=axis)
 
     def __call__(self, x, y):
         x, y = np.broadcast_arrays(np.asarray(x, dtype=float), np.asarray(y, dtype=float))
@@ -414,7 +415,9 @@ def _tables(v, body, head, tr, chain_cost, rows_max, windows, budgets, depth, ma
             ratio = _clamped(at_max, n) if at_max else 1.0
             frac = (r - 1) / (rows_max - 1) if rows_max > 1 else 0.0
             values[a, b] = v.get((r, n), derived(r, n) * (1 + (ratio - 1) * frac))
-    verify = Grid(rows, windows, values)  # made monotone in both directions, by the rule of _floor
+    values = np.minimum.accumulate(values[:, ::-1], axis=1)[:, ::-1]  # the rule of _floor, both ways
+    values = np.minimum.accumulate(values[::-1], axis=0)[::-1]
+    verify = Grid(rows, windows, values)
     draft_rows = sorted(body)
     if len(draft_rows) == 1:
         draft_rows = [draft_rows[0], draft_rows[0] + 1]

@@ -54,8 +54,12 @@ PROBE_SHARE = 0.005  # of round time, spent on speculative rounds the model does
 RHO_PRIOR = 0.8  # increment ratio between grid sizes before any tree that big was seen
 SPINE_PRIOR = 0.7  # per-depth spine reach ratio assumed for a class nobody has drafted in yet
 POOL_RATE = 0.1  # EMA weight of one row in a class's pooled curves
-MEAN_RATE = 0.3  # EMA weight of one round in a request's mean curves
-LAST_WEIGHT, LAST_FADE = 0.5, 0.8  # the last draft's share of the forecast, and its fade per AR round
+MEAN_RATE = 0.5  # EMA weight of one round in a request's mean curves
+LAST_WEIGHT, LAST_FADE = 0.8, 0.8  # the last draft's share of the forecast, and its fade per AR round
+OWN_FADE = 0.8  # per AR round, the request's own data yields to its class's in the forecast
+STREAK_DECAY, STREAK_PRIOR = 0.5, 1.0  # the request's recent accepted / forecast ratio (see observe)
+CHAIN_MARGIN = 1.05  # a chain row must forecast this many times the tree's accepted tokens
+RECORD_DECAY, RECORD_PRIOR = 0.97, 4.0  # chains' accepted / planned record per class: fade per round, prior
 MAX_HOLD = 32  # rounds an all-AR plan may be reused without re-planning
 
 
@@ -119,6 +123,8 @@ class Policy:
         self.reach_mean = np.full((slots, D), np.nan)
         self.spine_nodes = np.full((slots, G), np.nan)
         self.branch = np.full((slots, G), np.nan)
+        self.spine_nodes_last = np.full((slots, G), np.nan)  # the last tree draft's (NaN past its budget)
+        self.branch_last = np.full((slots, G), np.nan)
         self.idle = np.zeros(slots)
         # Forecasts at every size [slots, G] (tree) and [slots, D] (chain), from the last draft
         # and from the means, refreshed when a slot's data or calibration changes (so a round
@@ -127,7 +133,12 @@ class Policy:
         self.fc_last_c = np.zeros((slots, D))
         self.fc_mean_t = np.zeros((slots, G))
         self.fc_mean_c = np.zeros((slots, D))
+        self.fc_pool_t = np.zeros((slots, G))
+        self.fc_pool_c = np.zeros((slots, D))
         self.has_last = np.zeros(slots, dtype=bool)
+        # Recent accepted and same-round forecast tokens: the next round follows the last ones
+        # more than any draft's own confidence says (acceptance comes in streaks).
+        self.streak = np.zeros((slots, 2))
         self.last_seen = np.zeros(slots)
         self.pools: dict[int, dict[str, np.ndarray]] = {}
         self.rounds = 0
@@ -150,6 +161,8 @@ class Policy:
         pool = self._pool(self.cls[s])
         self.reach[s] = np.nan
         self.reach_mean[s], self.spine_nodes[s], self.branch[s] = pool["reach"], pool["spine_nodes"], pool["branch"]
+        self.spine_nodes_last[s], self.branch_last[s] = np.nan, np.nan
+        self.streak[s] = 0.0
         self.idle[s] = 0
         self.last_seen[s] = self.rounds
         self._refresh([s])
@@ -160,7 +173,8 @@ class Policy:
             spine_nodes, branch = np.full(G, np.nan), np.full(G, np.nan)
             spine_nodes[0], branch[0] = 1.0, 0.0  # the top-1 tree is the chain of one
             self.pools[cls] = {"reach": SPINE_PRIOR ** np.arange(1, D + 1), "spine_nodes": spine_nodes,
-                               "branch": branch, "rho": np.full(G, RHO_PRIOR)}
+                               "branch": branch, "rho": np.full(G, RHO_PRIOR),
+                               "record": np.zeros((2, 2))}
         return self.pools[cls]
 
     def _calibrated(self, slots: list[int], reach: np.ndarray, spine_nodes: np.ndarray,
@@ -169,7 +183,8 @@ class Policy:
         current calibration, extended past the sizes seen."""
         classes = [self.cls[s] for s in slots]
         beta = self.calibration.beta(slots, classes, self.idle[slots])
-        chain = np.cumsum(np.minimum(1.0, beta[:, :, 0] * extend_reach(reach)), axis=1)
+        # No clamp at 1 per node: beta is a ratio of expected counts, and the forecast is one too.
+        chain = np.minimum(np.cumsum(beta[:, :, 0] * extend_reach(reach), axis=1), np.arange(1, self.depth + 1))
         at = np.clip(np.nan_to_num(spine_nodes, nan=1.0).astype(int), 1, self.depth) - 1
         tree = np.take_along_axis(chain, at, 1) + self.calibration.branch_beta(slots, classes, self.idle[slots])[:, None] * branch
         rho = np.stack([self._pool(c)["rho"] for c in classes])
@@ -179,21 +194,40 @@ class Policy:
         """Recompute the forecasts of these slots."""
         self.fc_mean_t[slots], self.fc_mean_c[slots] = self._calibrated(slots, self.reach_mean[slots],
                                                                         self.spine_nodes[slots], self.branch[slots])
+        pools = [self._pool(self.cls[s]) for s in slots]
+        self.fc_pool_t[slots], self.fc_pool_c[slots] = self._calibrated(
+            slots, np.stack([p["reach"] for p in pools]), np.stack([p["spine_nodes"] for p in pools]),
+            np.stack([p["branch"] for p in pools]))
         last = self.reach[slots]
         has = ~np.isnan(last[:, 0])
         self.has_last[slots] = has
         if has.any():
+            # The last tree's structure where it was that big, the mean's beyond.
+            sn, br = self.spine_nodes_last[slots], self.branch_last[slots]
+            known = ~np.isnan(sn)
             t, c = self._calibrated(slots, np.where(has[:, None], last, self.reach_mean[slots]),
-                                    self.spine_nodes[slots], self.branch[slots])
+                                    np.where(known, sn, self.spine_nodes[slots]), np.where(known, br, self.branch[slots]))
             self.fc_last_t[slots], self.fc_last_c[slots] = t, c
 
     def _curves(self, slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """[R, G] tree and [R, D] chain forecasts with every entry filled: the last draft's curves
-        blended into the means, the last one's weight fading with rounds spent on AR steps."""
-        w = (LAST_WEIGHT * LAST_FADE ** self.idle[slots] * self.has_last[slots])[:, None]
-        et = w * self.fc_last_t[slots] + (1 - w) * self.fc_mean_t[slots]
-        ec = w * self.fc_last_c[slots] + (1 - w) * self.fc_mean_c[slots]
-        return np.clip(et, 0.0, self.depth), ec
+        blended into the request's means, and those into its class's, the request's own data
+        fading with rounds spent on AR steps (an unobserved request is expected to be typical)."""
+        idle = self.idle[slots]
+        w = (LAST_WEIGHT * LAST_FADE ** idle * self.has_last[slots])[:, None]
+        num, den = self.streak[slots].T
+        m = np.clip((num + STREAK_PRIOR) / (den + STREAK_PRIOR), 0.3, 3.0)[:, None]
+        a = (OWN_FADE ** idle)[:, None]
+        et = a * m * (w * self.fc_last_t[slots] + (1 - w) * self.fc_mean_t[slots]) + (1 - a) * self.fc_pool_t[slots]
+        ec = a * m * (w * self.fc_last_c[slots] + (1 - w) * self.fc_mean_c[slots]) + (1 - a) * self.fc_pool_c[slots]
+        # Each class keeps a record, per mode, of tokens accepted against tokens planned: it
+        # corrects what the forecast misses in level (e.g. calibration learned on trees, whose deep
+        # spine nodes are the confident ones, does not carry over to chains). It fades back to
+        # neutral over rounds, so a mode it once ruled out is tried again.
+        record = np.array([self._pool(self.cls[s])["record"] for s in slots])  # [R, mode, (got, planned)]
+        fix = np.clip((record[..., 0] + RECORD_PRIOR) / (record[..., 1] + RECORD_PRIOR), 0.3, 3.0)
+        et, ec = et * fix[:, :1], ec * fix[:, 1:]
+        return np.clip(et, 0.0, self.depth), np.minimum(ec, np.arange(1, self.depth + 1))
 
     # ---- costs ------------------------------------------------------------------------------
 
@@ -235,6 +269,8 @@ class Policy:
         for r in reqs:
             self._claim(r)
         slots = [r.slot for r in reqs]
+        for c in {self.cls[s] for s in slots}:
+            self._pool(c)["record"] *= RECORD_DECAY
         aged = [s for s in slots if self.idle[s]]
         if aged:  # their calibration drifted toward the pool while they took AR steps
             self._refresh(aged)
@@ -249,28 +285,22 @@ class Policy:
             luck = self.rng.gamma(n, 1.0 / n)  # explore where the evidence is thin
             # Cheap exit, the steady state of a batch that does not pay: even every row's best
             # gain at the cheapest drafting round cannot beat AR.
-            bound = (R + luck @ np.maximum(et.max(1), ec.max(1))) / t["spec_min"]
-            if bound <= rate:
+            best = np.maximum(et.max(1), ec.max(1))
+            if (R + luck @ best) / t["spec_min"] <= rate:
                 cols = 0
-                self._hold(ids, plan, bound / rate)
+                self._hold(ids, plan, self._pool_ratio(slots, t, rate, cap))
         if cols > 0:
             g = self.grid[:cols]
             gain_t = et[:, :cols]
             gain_c = ec[:, np.minimum(g, self.depth) - 1]
-            # A tree row costs its share of the build over a chain row; price it in tokens.
-            use_tree = gain_t - (self.rate or rate) * t["tree_row"][None, :cols] > gain_c
+            # A tree row costs its share of the build over a chain row (priced in tokens), and a
+            # chain must win by a margin (its forecast extrapolates the deep spine more).
+            use_tree = CHAIN_MARGIN * gain_t - (self.rate or rate) * t["tree_row"][None, :cols] > gain_c
             gain = np.where(use_tree, gain_t, gain_c)
-            drawn = gain * luck[:, None]
-            order = np.argsort(-drawn, axis=0, kind="stable")  # per window: rows by gain
-            tokens = R + np.cumsum(np.take_along_axis(drawn, order, 0), 0)  # [k-1, j]: the first k rows draft
-            kt = np.cumsum(np.take_along_axis(use_tree, order, 0), 0)  # tree rows among them
-            verify = np.where(kt > 0, t["verify_tree"][:, :cols], t["verify_chain"][:, :cols])
-            build = np.where(kt > 0, t["tree"][np.maximum(kt - 1, 0), np.arange(cols)], 0.0)
-            seconds = verify + t["draft"][:, :cols] + build + t["over_spec"]
-            rates = tokens / seconds
+            rates, order, seconds = self._rates(R, gain * luck[:, None], use_tree, t, cols)
             k, j = np.unravel_index(np.argmax(rates), rates.shape)
             if rates[k, j] <= rate:
-                self._hold(ids, plan, float(rates[k, j]) / rate)
+                self._hold(ids, plan, self._pool_ratio(slots, t, rate, cap))
             else:
                 rows = [int(i) for i in order[: k + 1, j]]
                 plan = self._build(R, rows, use_tree[:, j], gain[:, j], int(j), float(seconds[k, j]))
@@ -282,11 +312,33 @@ class Policy:
         self.idle[[slots[i] for i, m in enumerate(plan.modes) if m == AR]] += 1
         return plan
 
+    def _rates(self, R: int, gain: np.ndarray, use_tree: np.ndarray, t: dict, cols: int):
+        """[R, cols] predicted tokens/s when the first k+1 rows by gain draft at window column j,
+        the row order per column, and the seconds."""
+        order = np.argsort(-gain, axis=0, kind="stable")
+        tokens = R + np.cumsum(np.take_along_axis(gain, order, 0), 0)
+        kt = np.cumsum(np.take_along_axis(use_tree, order, 0), 0)  # tree rows among the first k+1
+        verify = np.where(kt > 0, t["verify_tree"][:, :cols], t["verify_chain"][:, :cols])
+        build = np.where(kt > 0, t["tree"][np.maximum(kt - 1, 0), np.arange(cols)], 0.0)
+        seconds = verify + t["draft"][:, :cols] + build + t["over_spec"]
+        return tokens / seconds, order, seconds
+
+    def _pool_ratio(self, slots: list[int], t: dict, rate: float, cap: int) -> float:
+        """Best drafting rate over AR's if these requests were typical of their classes: where
+        their forecasts drift while they take AR steps, so how long an all-AR plan may hold."""
+        cols = int(np.searchsorted(self.grid, cap, side="right"))
+        et = np.clip(self.fc_pool_t[slots][:, :cols], 0.0, self.depth)
+        ec = self.fc_pool_c[slots][:, np.minimum(self.grid[:cols], self.depth) - 1]
+        use_tree = et > ec
+        rates = self._rates(len(slots), np.where(use_tree, et, ec), use_tree, t, cols)[0]
+        return float(rates.max()) / rate
+
     def _hold(self, ids: list[str], plan: RoundPlan, ratio: float) -> None:
-        """Reuse this all-AR plan for the next rounds: the further drafting is from paying
-        (ratio = its best rate over AR's), the longer."""
+        """Reuse this all-AR plan for the next rounds: none when drafting for typical requests of
+        these classes would be within 10% of paying (ratio = its best rate over AR's), up to
+        MAX_HOLD when it would halve the rate."""
         self.hold = (ids, plan)
-        self.hold_left = int(min(MAX_HOLD, max(0.0, 64 * (1 - ratio))))
+        self.hold_left = int(MAX_HOLD * min(1.0, max(0.0, (0.9 - ratio) / 0.4)))
 
     def _build(self, R: int, rows: list[int], use_tree: np.ndarray, gain: np.ndarray, column: int,
                seconds: float) -> RoundPlan:
@@ -346,11 +398,11 @@ class Policy:
         """Tree-curve columns the round reads back: the grid sizes up to the tree's budget."""
         return int(np.searchsorted(self.grid, plan.budget, side="right")) if plan.budget else 0
 
-    def observe(self, plan: RoundPlan, slots: list[int], extras: np.ndarray | None) -> None:
+    def observe(self, plan: RoundPlan, slots: list[int], extras: np.ndarray | None, accepted: list[int]) -> None:
         """Fold in a round's outcome. extras [drafting, 2 * cols + 5 * depth], per drafting row (see
         runner.round_extras): spine nodes and branch reach of the top-b tree at the grid columns,
         the spine reach per depth, then per depth and kind the drafter's predicted accepted nodes
-        and the observed ones."""
+        and the observed ones. accepted: drafted tokens accepted, per batch row."""
         if extras is None or not plan.drafting:
             return
         rows = plan.draft_rows
@@ -374,6 +426,7 @@ class Policy:
         if nt and cols:
             sn[:, :cols], br[:, :cols] = spine_nodes[:nt], branch[:nt]
             tree_slots = ds[:nt]
+            self.spine_nodes_last[tree_slots], self.branch_last[tree_slots] = sn, br
             self.spine_nodes[tree_slots] = blend(self.spine_nodes[tree_slots], sn, MEAN_RATE)
             self.branch[tree_slots] = blend(self.branch[tree_slots], br, MEAN_RATE)
         for cls in set(classes):
@@ -385,6 +438,14 @@ class Policy:
                 pool["spine_nodes"] = blend(pool["spine_nodes"][None], sn[trees].mean(0)[None], POOL_RATE)[0]
                 pool["branch"] = blend(pool["branch"][None], br[trees].mean(0)[None], POOL_RATE)[0]
         self._refresh(ds)
+        # The streak: what was accepted against what this very draft forecast, under the new
+        # calibration; and the class's record of accepted against planned.
+        got = np.array([accepted[i] for i in rows], dtype=float)
+        same = np.array([self.fc_last_t[s, plan.column] if i < nt else self.fc_last_c[s, plan.chain - 1]
+                         for i, s in enumerate(ds)])
+        self.streak[ds] = STREAK_DECAY * self.streak[ds] + np.stack([got, same], 1)
+        for i in range(k):
+            self._pool(classes[i])["record"][0 if i < nt else 1] += (got[i], plan.predicted[rows[i]])
         if nt and cols >= 2:  # rho[m] = increment m+1 over increment m of the calibrated tree curve
             for cls in set(classes[:nt]):
                 mine = [i for i in range(nt) if classes[i] == cls]

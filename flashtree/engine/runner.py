@@ -107,6 +107,7 @@ class ModelRunner:
             self.deferred = DeferredContext(config.max_batch, w.shape[1], w.dtype, device)
         self.last_plan: RoundPlan | None = None
         self._draft_pass = 0.0
+        self._last_end: float | None = None  # when the previous round returned (the engine's time between counts)
 
     def round_budget(self, n: int) -> int:
         """Per-request tree budget for a batch of n: capped so all trees fit max_round_tokens."""
@@ -160,7 +161,12 @@ class ModelRunner:
                 self.extend_context(plan, staged, batch, out.features, walk, counts, slots)
         self.last_plan = plan
         if self.policy is not None:
-            self.learn(plan, slots, counts, host_extras, time.perf_counter() - t0)
+            # A round's cost includes the engine's work between rounds (emitting, scheduling):
+            # throughput is tokens over wall time. A long gap is an idle engine, not work.
+            end = time.perf_counter()
+            gap = t0 - self._last_end if self._last_end is not None else 0.0
+            self.learn(plan, slots, counts, host_extras, end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0))
+            self._last_end = time.perf_counter()
         return emitted, dict(self.clock.seconds)
 
     # ---- the plan: who drafts, and how ----------------------------------------------------
@@ -309,7 +315,7 @@ class ModelRunner:
         return torch.cat(parts, 1)
 
     def learn(self, plan: RoundPlan, slots: list[int], counts: list[int], extras, seconds: float) -> None:
-        self.policy.observe(plan, slots, extras)
+        self.policy.observe(plan, slots, extras, [c - 1 for c in counts])
         if not plan.drafting and self.policy.rounds % AR_REFINE_EVERY:
             return  # AR rounds repeat one shape: a sample of them keeps the model current
         s = self.clock.seconds
