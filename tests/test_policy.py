@@ -378,3 +378,25 @@ def test_cost_cache_location(monkeypatch, tmp_path):
     assert cost_model.cache_dir(None) == tmp_path / "x" / "flashtree"
     assert cost_model.cache_dir(str(tmp_path / "b")) == tmp_path / "b"
     assert cost_model.cache_dir("off") is None
+
+
+def test_metrics_expose_the_policy():
+    """/metrics counts each request-round's choice and histograms its drafted nodes, the accepted
+    drafted tokens the policy expected, and those the target accepted (speculating rounds only)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from flashtree.engine.llm_engine import RoundInfo
+    from flashtree.server.metrics import ServerMetrics
+
+    info = RoundInfo(3, 0.01, [4, 1, 2], ["tree", "ar", "chain"], [16, 0, 15], [2.5, 0.0, 1.25])
+    engine = SimpleNamespace(stats=lambda: SimpleNamespace(last_round=info))
+    m = ServerMetrics()
+    m.observe_round(engine, [])
+    text = generate_latest(m.registry).decode()
+    for line in ('flashtree_policy_rounds_total{choice="tree"} 1.0', 'flashtree_policy_rounds_total{choice="ar"} 1.0',
+                 'flashtree_policy_rounds_total{choice="chain"} 1.0', "flashtree_policy_draft_nodes_count 3.0",
+                 "flashtree_policy_draft_nodes_sum 31.0", "flashtree_policy_predicted_accepted_sum 3.75",
+                 "flashtree_policy_predicted_accepted_count 2.0", "flashtree_policy_accepted_sum 4.0"):
+        assert line in text, line
