@@ -131,6 +131,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "measured costs and calibrated acceptance; an integer fixes the tree nodes per round")
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: cuda if available)")
     p.add_argument("--dtype", help="float32, bfloat16, float16, float64 (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--tensor-parallel-size", "--tp", type=positive_int, default=1,
+                   help="split the target over N ranks: N GPUs from --device on, or N CPU processes (default 1)")
     p.add_argument("--threads", type=positive_int,
                    help="torch CPU threads (default: what torch picks, OMP_NUM_THREADS included, capped at "
                         "the physical cores; use 1 on a shared machine)")
@@ -146,7 +148,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(target=args.target, drafter=args.drafter, method=args.method, budget=args.budget,
-                device=args.device, dtype=args.dtype)
+                device=args.device, dtype=args.dtype, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 
 def read_prompt(text: str) -> str:

@@ -31,6 +31,9 @@ class EngineConfig:
     max_round_tokens: int = 4096  # cap on all trees' nodes in one batched verify
     max_queue: int = 256  # waiting requests before add_request refuses
     stage_timing: bool | None = None  # sync between stages to time them; None = on for cpu only
+    max_prefill_tokens: int = 512  # prompt tokens prefilled per engine step (a long prompt goes in chunks)
+    prefix_cache: bool = True  # reuse the K/V of a prompt prefix some cache slot already holds
+    tensor_parallel_size: int = 1  # ranks the target is split over (flashtree starts the N - 1 workers)
 
     @property
     def tree_budget(self) -> int:
@@ -48,6 +51,10 @@ class EngineConfig:
             raise FlashtreeError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise FlashtreeError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_prefill_tokens < 1:
+            raise FlashtreeError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise FlashtreeError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.max_round_tokens < self.max_batch:
             raise FlashtreeError("max_round_tokens must be at least max_batch (one node per request)")
         if self.target is None:

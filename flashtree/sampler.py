@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -93,6 +94,27 @@ class SampledRows:
     use_top_p: bool
 
 
+class SamplingStage:
+    """Room for a round's sampling parameters: one fixed host buffer (pinned on CUDA) sent with one
+    non-blocking copy into a fixed device buffer, so a round makes no `torch.tensor` copy.
+
+    Reusing the host buffer is safe for a caller that reads each batch's results back (which
+    waits for the copy) before it builds the next batch, as the runner does.
+    """
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.host = torch.zeros(5, size, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.rows = self.host.numpy()
+        self.device = self.host if device.type == "cpu" else torch.empty(5, size, dtype=torch.long, device=device)
+
+    def upload(self, columns: np.ndarray) -> Tensor:
+        n = columns.shape[1]
+        self.rows[:, :n] = columns
+        if self.device is not self.host:
+            self.device.copy_(self.host, non_blocking=True)
+        return self.device[:, :n]
+
+
 @dataclass
 class SamplingBatch:
     size: int
@@ -101,27 +123,29 @@ class SamplingBatch:
     restricted: SampledRows | None
 
     @classmethod
-    def build(cls, params: list[SamplingParams], seeds: list[int], device: torch.device) -> SamplingBatch:
-        """The round's parameters as device tensors: one host-to-device copy, none when all greedy."""
+    def build(cls, params: list[SamplingParams], seeds: list[int], device: torch.device,
+              stage: SamplingStage | None = None) -> SamplingBatch:
+        """The round's parameters on the device: one host-to-device copy (through `stage` when given),
+        none when every row is greedy."""
         plain = [i for i, p in enumerate(params) if not p.greedy and p.top_k <= 0 and p.top_p >= 1.0]
         restricted = [i for i, p in enumerate(params) if not p.greedy and (p.top_k > 0 or p.top_p < 1.0)]
         order = plain + restricted
         greedy_rows = len(params) - len(order)
         if not order:
             return cls(len(params), greedy_rows, None, None)
-        floats = torch.tensor([[inverse_temperature(params[i].temperature) for i in order],
-                               [params[i].top_p for i in order]], dtype=torch.float64)
-        ints = torch.tensor([[max(params[i].top_k, 0) for i in order], [seed_key(seeds[i]) for i in order],
-                             order], dtype=torch.int64)
-        packed = torch.cat([floats.view(torch.int64), ints]).to(device, non_blocking=True)
+        top_ks = [min(max(params[i].top_k, 0), 2**31) for i in order]
+        columns = np.empty((5, len(order)), dtype=np.int64)
+        columns[0] = np.array([inverse_temperature(params[i].temperature) for i in order]).view(np.int64)
+        columns[1] = np.array([params[i].top_p for i in order], dtype=np.float64).view(np.int64)
+        columns[2], columns[3], columns[4] = top_ks, [seed_key(seeds[i]) for i in order], order
+        packed = stage.upload(columns) if stage is not None else torch.from_numpy(columns).to(device)
 
         def rows(a: int, b: int) -> SampledRows | None:
             if a == b:
                 return None
-            top_ks = tuple(max(params[i].top_k, 0) for i in order[a:b])
             return SampledRows(index=None if b - a == len(params) else packed[4, a:b],
                                scale=packed[0, a:b].view(torch.float64), top_p=packed[1, a:b].view(torch.float64),
-                               top_k=packed[2, a:b], key=packed[3, a:b], top_ks=top_ks,
+                               top_k=packed[2, a:b], key=packed[3, a:b], top_ks=tuple(top_ks[a:b]),
                                use_top_p=any(params[i].top_p < 1.0 for i in order[a:b]))
 
         return cls(len(params), greedy_rows, rows(0, len(plain)), rows(len(plain), len(order)))
@@ -144,8 +168,9 @@ def pick(logits: Tensor, batch: SamplingBatch, positions: Tensor, span: int | No
     predict, i.e. the node's own position + 1. span: a bound on the distinct positions per row
     (max - min < span; the tree's depth bound + 1), so plain rows hash noise once per position
     instead of once per node; None = N. Greedy rows take the argmax (ties: lowest id).
-    Host reads: none for greedy, temperature-only and top-k rows; top-p (or a tie at the k-th
-    value) reads a few small masks when some node is not settled by its first candidates.
+    Host reads: none for greedy and temperature-only rows, nor when the first candidate level
+    is the whole vocabulary; otherwise top-k/top-p rows read a few small masks (was every node
+    settled by its candidates?).
     """
     R, N, _ = logits.shape
     picks = logits.argmax(-1) if batch.greedy_rows else torch.empty(R, N, dtype=torch.long, device=logits.device)
@@ -236,8 +261,11 @@ def _kept(probs: Tensor, decisions) -> Tensor:
     kept = torch.empty_like(probs, dtype=torch.bool)
     for nodes, ids, keep in decisions:
         ps = probs if nodes is None else probs[nodes]
-        if ids is not None:  # no tie straddles the cut: keep every token >= the last kept
-            keep = ps >= ps.gather(-1, ids.gather(-1, keep.sum(-1, keepdim=True) - 1))
+        if ids is not None:  # kept = ranked at or above the last kept candidate
+            last = ids.gather(-1, keep.sum(-1, keepdim=True) - 1)
+            p_last = ps.gather(-1, last)
+            tokens = torch.arange(ps.shape[-1], device=ps.device)
+            keep = (ps > p_last) | ((ps == p_last) & (tokens <= last))
         if nodes is None:
             kept = keep
         else:
@@ -273,8 +301,8 @@ def _node_top_p(rows: SampledRows, N: int) -> Tensor | None:
 
 def _restricted(logits: Tensor, rows: SampledRows) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
     """Scaled, top-k-masked logits and their probabilities with nodes flattened, [S*N, V] each,
-    and the first level's candidates (ids, probabilities) [S*N, K]. One topk gives both those
-    and the k-th value: softmax is monotone, so ranking by logit ranks the probabilities alike."""
+    and the first level's candidates [S*N, K], ranked. One topk gives both those and the k-th
+    value: softmax is monotone, so ranking by logit ranks the probabilities alike."""
     S, N, V = logits.shape
     x = _scaled(logits, rows).view(S * N, V)
     top, ids = x.topk(_levels(rows, V)[0], -1)
@@ -284,28 +312,35 @@ def _restricted(logits: Tensor, rows: SampledRows) -> tuple[Tensor, Tensor, tupl
         active = ((rows.top_k > 0) & (rows.top_k < V))[:, None].expand(-1, N).reshape(-1, 1)
         x = x.masked_fill_(active & (x < top.gather(-1, k - 1)), NEG_INF)
     probs = torch.softmax(x, -1)
-    return x, probs, (ids, probs.gather(-1, ids))
+    return x, probs, _ranked(probs.gather(-1, ids), ids)
+
+
+def _ranked(vals: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Candidates in the full stable sort's order, (probability desc, id asc): topk returns
+    tied values in no particular order."""
+    ids, order = ids.sort(-1)
+    vals, order = vals.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(-1, order)
 
 
 def _decide(probs: Tensor, top_p: Tensor | None, sizes: list[int], first: tuple[Tensor, Tensor]):
     """Each node's kept set, from as few candidates as decide it exactly.
 
     Yields (nodes, ids, keep): the nodes (None = all) tried at a level, their candidate ids
-    [U, K] ranked by probability, and the keep mask over those; last, for nodes no level
-    decided, ids None and the full sort's keep mask [U, V]. A node a level leaves undecided
-    comes again later, and the consumer must overwrite what it wrote for it. Host reads: a few
-    per level, only while some node is undecided.
+    [U, K] ranked, and the keep mask over those; last, for nodes no level decided, ids None
+    and the full sort's keep mask [U, V]. A node a level leaves undecided comes again later,
+    and the consumer must overwrite what it wrote for it. Host reads: a few per level after
+    the first, none when the first level is the whole vocabulary.
     """
     nodes, to_sort = None, []
     for level, K in enumerate(sizes):
-        if level == 0:
-            ids, vals = first
-        else:
-            vals, ids = probs[nodes].topk(K, -1)
+        vals, ids = first if level == 0 else _ranked(*probs[nodes].topk(K, -1))
         tp = None if top_p is None else top_p if nodes is None else top_p[nodes]
         keep = torch.ones_like(vals, dtype=torch.bool) if tp is None else _nucleus(vals, tp)
         yield nodes, ids, keep
-        undecided = ~_decided(vals, keep, probs.shape[-1])
+        if K == probs.shape[-1]:
+            return  # the whole vocabulary, ranked as the full sort ranks it
+        undecided = ~_decided(vals, keep)
         here = torch.arange(len(vals), device=vals.device) if nodes is None else nodes
         if tp is not None and level + 1 < len(sizes):
             # Each token past the K-th holds at most the K-th's probability: a nucleus that the
@@ -328,8 +363,7 @@ def _nucleus(ranked: Tensor, top_p: Tensor) -> Tensor:
 
     Everything from the first dropped token on is dropped, so the kept set is a prefix even
     where a parallel cumsum is not monotone; the top token is always kept (top_p may underflow
-    to 0 in float32). top_p >= 1 keeps everything. Tied probabilities are equal values, so
-    their order does not change the cumsum.
+    to 0 in float32). top_p >= 1 keeps everything.
     """
     K = ranked.shape[-1]
     before = F.pad(ranked.cumsum(-1)[..., :-1], (1, 0))
@@ -340,24 +374,18 @@ def _nucleus(ranked: Tensor, top_p: Tensor) -> Tensor:
     return (torch.arange(K, device=ranked.device) < first) | (top_p >= 1.0)
 
 
-def _decided(ranked: Tensor, keep: Tensor, V: int) -> Tensor:
-    """Whether K candidates (ranked by probability, ties in any order) fix a node's kept set
-    exactly as the full stable sort would.
+def _decided(ranked: Tensor, keep: Tensor) -> Tensor:
+    """Whether K < V ranked candidates fix a node's kept set exactly as the full sort would.
 
-    The cut must not split tokens of one probability (the full sort keeps the lower ids of such
-    a tie, and topk returns ties in no particular order), unless that probability is 0, which
-    nothing samples. And either the cut falls inside the candidates (then every token above
-    the next candidate's probability is a candidate), or nothing was left out: the last
-    candidate has probability 0, or K = V.
+    Yes when the cut falls inside them strictly above the last candidate's probability (every
+    token above that value is a candidate, ranked alike, so the cumsum up to the cut is the
+    full sort's), or when the last candidate has probability 0 (every token that can be drawn
+    is a candidate).
     """
-    K = ranked.shape[-1]
     m = keep.sum(-1, keepdim=True)
-    p_last = ranked.gather(-1, m - 1)
-    p_next = ranked.gather(-1, m.clamp(max=K - 1))
-    inside = m < K
-    whole_tie = ~inside | (p_next < p_last) | (p_last == 0)
-    complete = (ranked[..., -1:] == 0) | (K == V)
-    return (whole_tie & (inside | complete))[..., 0]
+    last = ranked[..., -1:]
+    inside = (m < ranked.shape[-1]) & (ranked.gather(-1, m - 1) > last)
+    return (inside | (last == 0))[..., 0]
 
 
 def _full_keep(probs: Tensor, top_p: Tensor) -> Tensor:

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from flashtree.errors import FlashtreeError
 
 
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit; vLLM's default max_logprobs)
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy (argmax)
@@ -20,6 +23,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None  # same seed -> same text, whatever the method, budget or batch
     ignore_eos: bool = False
+    n: int = 1  # samples returned; they share the prompt's prefill
+    best_of: int | None = None  # samples drawn (>= n); the n with the highest cumulative logprob are returned
+    logprobs: int | None = None  # per output token: its logprob and this many top alternatives (0..20)
+    prompt_logprobs: int | None = None  # the same for prompt tokens (the first has none); disables prefix reuse
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -36,7 +43,20 @@ class SamplingParams:
             raise FlashtreeError("stop strings must not be empty")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise FlashtreeError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.n < 1:
+            raise FlashtreeError(f"n must be >= 1, got {self.n}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise FlashtreeError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise FlashtreeError(f"{name} must be in 0..{MAX_LOGPROBS}, got {k}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_samples(self) -> int:
+        """Samples to draw: best_of, or n."""
+        return self.best_of or self.n

@@ -126,22 +126,25 @@ def test_budget_1024_block_16(models, reference):
 def test_incremental_detokenization_equals_full_decode():
     """Text built round by round (any chunking, characters split across tokens) == one decode."""
     from flashtree.config import DEMO_TARGET
-    from flashtree.engine.llm_engine import LLMEngine, load_tokenizer
+    from flashtree.engine.llm_engine import load_tokenizer
+    from flashtree.engine.output import OutputProcessor
     from flashtree.engine.sequence import Request
 
     tok = load_tokenizer(DEMO_TARGET)
     if tok is None:
         pytest.skip("the demo tokenizer is not built yet")
-    engine = LLMEngine.__new__(LLMEngine)
-    engine.tokenizer = tok
+    output = OutputProcessor(tok, set(), 1 << 30)
     text = "déjà vu — 中文字符 and emoji 🙂 in code: x = 'ü'\n"
     ids = tok.encode(text, add_special_tokens=False)
     for chunk in (1, 2, 3, 7):
         req = Request([1], SamplingParams())
         pieces = []
         for i in range(0, len(ids), chunk):
-            req.output_ids.extend(ids[i : i + chunk])
-            piece = engine._detokenize(req, final=i + chunk >= len(ids))
+            new = ids[i : i + chunk]
+            piece, offsets = output.detokenize(req, new, final=i + chunk >= len(ids))
+            req.output_ids.extend(new)
+            if offsets is not None:
+                req.prefix_offset, req.read_offset = offsets
             assert "\ufffd" not in piece
             pieces.append(piece)
         assert "".join(pieces) == text

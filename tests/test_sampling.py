@@ -15,7 +15,7 @@ import transformers
 from scipy.stats import chisquare
 
 from flashtree import LLM, SamplingParams
-from flashtree.sampler import (SamplingBatch, fresh_seed, gumbel_noise, mix32, pick, position_keys, probabilities,
+from flashtree.sampler import (SamplingBatch, SamplingStage, fresh_seed, gumbel_noise, mix32, pick, position_keys, probabilities,
                                processed_logprobs, seed_key)
 from tiny import make_drafter, make_target
 
@@ -292,3 +292,15 @@ def test_top_p_cutoff_inside_tied_tokens_keeps_the_lowest_ids():
         assert kept[n].nonzero()[:, 0].tolist() == lowest.tolist()
     picks = pick(logits[:, :1].expand(1, 400, V), batch, torch.arange(400)[None])
     assert set(picks[0].tolist()) == set(lowest.tolist())
+
+
+def test_staged_batch_equals_a_fresh_one():
+    """Parameters sent through the runner's reusable SamplingStage pick exactly as a fresh batch."""
+    logits = mixed_logits(300, seed=7)
+    seeds = [p.seed or 0 for p in MIXED]
+    positions = torch.arange(5)[None].repeat(len(MIXED), 1) + 3
+    stage = SamplingStage(16, torch.device("cpu"))
+    fresh = pick(logits, SamplingBatch.build(MIXED, seeds, torch.device("cpu")), positions)
+    pick(logits[:2], SamplingBatch.build(MIXED[2:4], seeds[2:4], torch.device("cpu"), stage), positions[:2])
+    staged = pick(logits, SamplingBatch.build(MIXED, seeds, torch.device("cpu"), stage), positions)
+    assert torch.equal(staged, fresh)

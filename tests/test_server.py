@@ -206,6 +206,85 @@ def test_token_id_prompt_and_one_prompt_lists(server, model):
         text["choices"]
 
 
+# ---- logprobs, n, best_of, echo -----------------------------------------------------------------
+
+
+def test_completion_logprobs_streamed_like_non_streamed(client, model):
+    """OpenAI's legacy shape: one entry per token, the chosen token among its top_logprobs (so up
+    to k + 1), offsets into the text; a stream's chunks add up to the same lists."""
+    kw = dict(model=model, prompt=bench_prompts()[0], max_tokens=16, temperature=0, logprobs=3)
+    full = client.completions.create(**kw).choices[0]
+    lp = full.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 16
+    assert "".join(lp.tokens) == full.text
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(16)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and 3 <= len(top) <= 4 and top[token] == value  # greedy: the chosen token is the best
+        assert max(top.values()) == value
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True)]
+    assert sum((c.logprobs.tokens for c in chunks if c.logprobs), []) == lp.tokens
+    streamed = sum((c.logprobs.token_logprobs for c in chunks if c.logprobs), [])
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-4)
+    assert sum((c.logprobs.text_offset for c in chunks if c.logprobs), []) == lp.text_offset
+
+
+def test_chat_logprobs_streamed_like_non_streamed(client, model):
+    messages = [{"role": "user", "content": "Write a haiku."}]
+    kw = dict(model=model, messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    full = client.chat.completions.create(**kw).choices[0]
+    content = full.logprobs.content
+    assert len(content) == 12 and "".join(c.token for c in content) == full.message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob == entry.logprob
+        assert bytes(entry.bytes).decode(errors="replace") == entry.token or "\ufffd" in entry.token
+    streamed = [e for c in client.chat.completions.create(**kw, stream=True) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_n_choices_best_of_and_echo(client, model):
+    """n choices with indexes 0..n-1 (identical at T=0; distinct seeded samples at T=1); best_of
+    returns one choice; echo returns the prompt first, with a null logprob for its first token."""
+    prompt = "def add(a, b):"
+    greedy = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2] and len({c.text for c in greedy.choices}) == 1
+    assert greedy.usage.completion_tokens == 3 * 8
+    sampled = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=1.0, n=3, seed=5)
+    assert len({c.text for c in sampled.choices}) == 3
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=1.0, n=3, seed=5)
+    assert [c.text for c in again.choices] == [c.text for c in sampled.choices]
+    best = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=1.0, n=1, best_of=3,
+                                     seed=5, logprobs=0)
+    assert len(best.choices) == 1 and best.choices[0].index == 0
+    echo = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    choice = echo.choices[0]
+    assert choice.text == prompt + greedy.choices[0].text[: len(choice.text) - len(prompt)]
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert all(v is not None for v in choice.logprobs.token_logprobs[1:])
+    assert "".join(choice.logprobs.tokens) == choice.text and echo.usage.completion_tokens == 4
+    chats = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                           temperature=0, n=2, stream=True)
+    texts = ["", ""]
+    for c in chats:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts[0] == texts[1] and texts[0]
+
+
+def test_stop_string_usage_counts_tokens_up_to_the_stop(client, model):
+    """usage.completion_tokens counts the tokens through the one completing the stop string, no
+    drafted tokens past it: the logprobs list exactly those tokens."""
+    prompt = bench_prompts()[3]
+    base = client.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0).choices[0].text
+    stop = base[len(base) // 2: len(base) // 2 + 3]
+    cut = client.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0, stop=[stop], logprobs=0)
+    tokens = cut.choices[0].logprobs.tokens
+    assert cut.usage.completion_tokens == len(tokens) < 32
+    assert stop in "".join(tokens) and stop not in "".join(tokens[:-1])
+
+
 # ---- continuous batching is lossless -----------------------------------------------------------
 
 
@@ -269,10 +348,19 @@ BAD = [  # (path, raw body or json, status, param, words the message must contai
     ("/v1/completions", {"prompt": [10**8]}, 400, None, "token ids"),
     ("/v1/completions", {"prompt": LONG}, 400, None, f"context holds {MAX_MODEL_LEN}"),
     ("/v1/completions", {"prompt": [5] * MAX_MODEL_LEN}, 400, None, f"context holds {MAX_MODEL_LEN}"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "not supported"),
-    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of", "not supported"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs", "not supported"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", "greater than"),
+    ("/v1/completions", {"prompt": "hi", "n": 9}, 400, "n", "at most 8 requests"),
+    ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of", ">= n"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3, "stream": True}, 400, "best_of", "cannot be streamed"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs", "less than"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": True}, 400, "logprobs", "integer"),
+    ("/v1/completions", {"prompt": "hi", "echo": 1}, 400, "echo", "boolean"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs", "needs logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30},
+     400, "top_logprobs", "less than"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, "echo",
+     "unknown field"),
     ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate", "unknown field"),
     ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 40}, 400, "stop", "at most"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop[0]", "at least 1"),
@@ -284,8 +372,6 @@ BAD = [  # (path, raw body or json, status, param, words the message must contai
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", "system"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      400, "tools", "not supported"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs",
-     "not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, None,
      f"context holds {MAX_MODEL_LEN}"),
 ]

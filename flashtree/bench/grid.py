@@ -38,6 +38,7 @@ class BenchSpec:
     drafter: str | None = None
     device: str | None = None
     dtype: str | None = None
+    tensor_parallel_size: int = 1
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     budgets: list[int | str] = field(default_factory=lambda: list(DEFAULT_BUDGETS))  # ints, or "auto"
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
@@ -108,9 +109,11 @@ class BenchResult:
 
 
 def _engine_config(spec: BenchSpec, method: str, budget: int | str | None, max_model_len: int | None) -> EngineConfig:
+    # No prefix reuse: every pass runs the same prompts, and each should pay its prefill alike.
     return EngineConfig(target=spec.target, drafter=spec.drafter, method=method, budget=budget or 64,
                         device=spec.device, dtype=spec.dtype, max_batch=1, max_model_len=max_model_len,
-                        stage_timing=spec.stage_sync)
+                        stage_timing=spec.stage_sync, tensor_parallel_size=spec.tensor_parallel_size,
+                        prefix_cache=False)
 
 
 def encode_prompt(engine: LLMEngine, prompt: Prompt) -> list[int]:
@@ -144,8 +147,14 @@ def load_prompts(spec: BenchSpec) -> dict[str, list[Prompt]]:
     return prompts
 
 
+def engine_cost_curve(engine: LLMEngine, *args, **kwargs) -> CostCurve:
+    """measure_cost_curve on an engine's loaded models (LLMEngine.on_every_rank calls it by name)."""
+    return measure_cost_curve(engine.target, engine.drafter, *args, **kwargs)
+
+
 @dataclass
 class Loaded:
+    base: LLMEngine  # the engine that loaded the weights; the cells share them
     engines: dict[Cell, LLMEngine]
     ids: dict[str, list[list[int]]]  # suite -> prompt token ids (tail-truncated to fit)
     target: object
@@ -174,7 +183,7 @@ def build_engines(spec: BenchSpec, cells: list[Cell], prompts: dict[str, list[Pr
     models = {"target": checkpoint_id(base.target)}
     if base.drafter is not None:
         models["drafter"] = checkpoint_id(base.drafter)
-    return Loaded(engines, ids, base.target, base.drafter, limit, models)
+    return Loaded(base, engines, ids, base.target, base.drafter, limit, models)
 
 
 def measure_grid(spec: BenchSpec, cells: list[Cell], prompts: dict[str, list[Prompt]], loaded: Loaded,
@@ -219,8 +228,9 @@ def measure_cost(spec: BenchSpec, cells: list[Cell], loaded: Loaded, block_size:
     chain_sizes = sorted({1} | ({block_size} if any(c.method == "dflash" for c in cells) else set()))
     bar = tqdm(total=(len(tree_sizes) + len(chain_sizes)) * spec.cost_repeats, desc="cost curve", unit="fwd",
                file=sys.stderr, disable=not progress, dynamic_ncols=True)
-    cost = measure_cost_curve(loaded.target, loaded.drafter, tree_sizes, chain_sizes, context, spec.temperatures,
-                              spec.cost_repeats, progress=lambda: bar.update(1))
+    # Through the engine: under tensor parallelism every rank runs the sharded forwards together.
+    cost = loaded.base.on_every_rank(engine_cost_curve, tree_sizes, chain_sizes, context, spec.temperatures,
+                                     spec.cost_repeats, rank0_kwargs=dict(progress=lambda: bar.update(1)))
     bar.close()
     return cost
 

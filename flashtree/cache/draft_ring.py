@@ -66,6 +66,18 @@ class SlidingDraftCache(KVCache):
         last = ctx.starts[:, None] - 1
         return t + self.ring_len * torch.div(last - t, self.ring_len, rounding_mode="floor")
 
+    shares_prefixes = False  # the ring of a longer slot no longer holds the positions before a prefix's end
+
+    def copy_prefix(self, src: int, dst: int, length: int, state=None) -> None:
+        """Only a slot's whole context (n > 1 samples right after their shared prefill): the
+        ring then holds exactly what the next block may see."""
+        if length != self.lengths[src]:
+            raise FlashtreeError(f"sliding drafter cache: can copy slot {src}'s whole context ({self.lengths[src]} "
+                                 f"rows), not a prefix of {length}")
+        super().copy_prefix(src, dst, length)
+        if src != dst:
+            self.ring_k[:, dst], self.ring_v[:, dst] = self.ring_k[:, src], self.ring_v[:, src]
+
     def commit(self, ctx: ForwardContext, counts: list[int], path: Tensor | None = None,
                num_nodes: Tensor | None = None) -> None:
         """Refuses an append whose padding could overwrite positions the next block still sees."""

@@ -9,6 +9,7 @@ cache imports it, and nothing here knows a module.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +21,15 @@ from flashtree.models.delta_rule import DeltaWindow, WindowEnd, advance_state
 
 if TYPE_CHECKING:
     from flashtree.models.context import ForwardContext
+
+
+@dataclass
+class RecurrentState:
+    """Every GDN layer's state and conv window after a slot's first `length` tokens."""
+
+    length: int
+    state: Tensor  # [G, H, dk, dv]
+    conv: Tensor  # [G, K-1, C]
 
 
 class HybridCache(KVCache):
@@ -47,6 +57,26 @@ class HybridCache(KVCache):
                 f"{self.lengths[slot]} tokens, and a recurrence cannot be rewound"
             )
         super().set_length(slot, length)
+
+    recurrent = True  # a prefix shorter than the slot also needs the recurrent state at its end
+
+    def save_state(self, slot: int) -> RecurrentState:
+        """A copy of the slot's recurrent state and conv windows, at its committed length."""
+        return RecurrentState(self.lengths[slot], self.state[:, slot].clone(), self.conv[:, slot].clone())
+
+    def copy_prefix(self, src: int, dst: int, length: int, state: RecurrentState | None = None) -> None:
+        """The attention K/V of src's first `length` rows, and the recurrent layers at `length`:
+        src's own state when it holds exactly `length` tokens, else `state` saved at that length."""
+        if state is None and length != self.lengths[src]:
+            raise FlashtreeError(f"slot {src} holds {self.lengths[src]} tokens: its recurrent state is not the one "
+                                 f"after {length}; pass the state saved there")
+        if state is not None and state.length != length:
+            raise FlashtreeError(f"a recurrent state saved after {state.length} tokens cannot start a slot at {length}")
+        super().copy_prefix(src, dst, length)
+        if state is not None:
+            self.state[:, dst], self.conv[:, dst] = state.state, state.conv
+        elif src != dst:
+            self.state[:, dst], self.conv[:, dst] = self.state[:, src], self.conv[:, src]
 
     def commit(self, ctx: ForwardContext, counts: list[int], path: Tensor | None = None,
                num_nodes: Tensor | None = None) -> None:

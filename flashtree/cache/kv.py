@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from flashtree.errors import FlashtreeError
+
 if TYPE_CHECKING:
     from flashtree.models.context import ForwardContext
 
@@ -84,3 +86,20 @@ class KVCache:
     def set_length(self, slot: int, length: int) -> None:
         """Declare a slot's committed length: 0 starts it afresh; benchmarks fake a context."""
         self.lengths[slot] = length
+
+    # ---- sharing a prefix between slots (prefix reuse, n > 1 samples of one prompt) ----------
+
+    shares_prefixes = True  # any committed prefix of a slot can seed another (copy_prefix)
+    recurrent = False  # True: a prefix shorter than the slot also needs a saved recurrent state
+
+    def copy_prefix(self, src: int, dst: int, length: int, state=None) -> None:
+        """Make dst hold src's first `length` committed rows, committed: a prompt prefix computed
+        once. Rows < length of a slot never change while it lives (commits write past its
+        length), so they stay valid until the slot is given to another request. src == dst
+        just truncates. `state` is for caches with recurrent layers (see HybridCache)."""
+        if length > self.lengths[src]:
+            raise FlashtreeError(f"slot {src} holds {self.lengths[src]} rows, not {length}")
+        if src != dst:
+            self.k[:, dst, :length] = self.k[:, src, :length]
+            self.v[:, dst, :length] = self.v[:, src, :length]
+        self.lengths[dst] = length

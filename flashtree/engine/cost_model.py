@@ -130,6 +130,7 @@ class CostModel:
         self.seconds = seconds  # the startup measurement's wall time (0 from the cache)
         self.scale = 1.0  # whole-round correction when stages are not timed separately (GPU, no sync)
         self.refined = 0  # rounds folded in
+        self.frozen = False  # no online refinement (tensor parallelism: every rank must plan alike)
 
     # ---- prediction ------------------------------------------------------------------------
 
@@ -148,6 +149,8 @@ class CostModel:
                stages: dict[str, float] | None, total: float, rate: float = 0.1) -> None:
         """Fold in one timed round. `stages` (verify, draft_pass, tree seconds) when the device was
         synchronised between stages; otherwise only the round's total moves a global scale."""
+        if self.frozen:
+            return
         self.refined += 1
         if stages is None:
             predicted = self.round_seconds(rows, window, drafting, depth, tree_rows, budget) / self.scale
@@ -259,6 +262,7 @@ class _Timer:
         self.device = device
         self.deadline = time.perf_counter() + seconds
         self.start = time.perf_counter()
+        self.adaptive = seconds != float("inf")  # else every point runs the same repeats (tensor parallel)
 
     @property
     def spent(self) -> bool:
@@ -273,7 +277,7 @@ class _Timer:
             fn()
             _sync(self.device)
             best = min(best, time.perf_counter() - t0)
-            if best > 0.2:  # big points: one timed run is enough
+            if best > 0.2 and self.adaptive:  # big points: one timed run is enough
                 break
         return best
 

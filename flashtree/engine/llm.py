@@ -8,19 +8,53 @@ from tqdm.auto import tqdm
 
 from flashtree.config import EngineConfig
 from flashtree.engine.llm_engine import LLMEngine
-from flashtree.engine.sequence import RequestStats
+from flashtree.engine.sequence import Request, RequestGroup, RequestStats, TokenLogprob
 from flashtree.errors import FlashtreeError
 from flashtree.sampling import SamplingParams
 
 
 @dataclass
+class CompletionOutput:
+    """One returned sample of a prompt."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None  # per token, with SamplingParams.logprobs
+    cumulative_logprob: float
+    stats: RequestStats
+
+    @classmethod
+    def of(cls, index: int, req: Request) -> CompletionOutput:
+        return cls(index, req.output_ids, req.text, req.finish_reason or "", req.logprobs, req.cumulative_logprob,
+                   req.stats)
+
+
+@dataclass
 class RequestOutput:
+    """A prompt's result. token_ids, text, finish_reason and stats are its first output's;
+    `outputs` has all n (best_of: the n best, best first)."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: str
     stats: RequestStats
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
+
+    @classmethod
+    def of(cls, group: RequestGroup) -> RequestOutput:
+        outputs = [CompletionOutput.of(i, r) for i, r in enumerate(group.choices())]
+        first = outputs[0]
+        return cls(group.request_id, group.prompt_ids, first.token_ids, first.text, first.finish_reason, first.stats,
+                   outputs, group.samples[0].prompt_logprobs)
 
 
 class LLM:
@@ -53,19 +87,18 @@ class LLM:
             raise FlashtreeError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one or one each")
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         engine = self.engine
-        for p in prompts:  # validate everything before any work starts
+        for p, sp in zip(prompts, plist):  # validate everything before any work starts
             engine.encode(p)
+            if sp.num_samples > engine.config.max_batch:
+                raise FlashtreeError(f"n/best_of = {sp.num_samples} needs that many cache slots; raise max_batch")
         pending = list(zip(prompts, plist))[::-1]
-        reqs = []
+        groups: list[RequestGroup] = []
         with tqdm(total=len(pending), disable=not use_tqdm, desc="generate") as bar:
-            while pending or any(not r.finished for r in reqs):
+            while pending or any(not g.finished for g in groups):
                 # Feed the bounded queue lazily so any number of prompts can be generated.
-                while pending and len(engine.scheduler.waiting) < engine.config.max_queue:
-                    reqs.append(engine.add_request(*pending.pop()))
-                for out in engine.step():
-                    if out.finished:
-                        bar.update(1)
-        return [
-            RequestOutput(r.request_id, r.prompt_ids, r.output_ids, r.text, r.finish_reason or "", r.stats)
-            for r in reqs
-        ]
+                while pending and (not engine.stats().waiting or
+                                   engine.stats().waiting + pending[-1][1].num_samples <= engine.config.max_queue):
+                    groups.append(engine.add_group(*pending.pop()))
+                engine.step()
+                bar.update(sum(g.finished for g in groups) - bar.n)
+        return [RequestOutput.of(g) for g in groups]

@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from flashtree.config import EngineConfig
+from flashtree.engine.output import OutputProcessor
+from flashtree.engine.prefix_cache import PrefixCache
 from flashtree.engine.prompts import encode_chat, max_prompt_chars
 from flashtree.engine.runner import ModelRunner
 from flashtree.engine.scheduler import Scheduler
-from flashtree.engine.sequence import STAGES, Request, Status
+from flashtree.engine.token_text import TokenText
+from flashtree.engine.sequence import (STAGES, Request, RequestGroup, Status, TokenLogprob, derived_seed,
+                                       new_request_id)
 from flashtree.errors import FlashtreeError, PromptTooLong
 from flashtree.models.dflash import load_drafter
 from flashtree.models.loader import eos_token_ids, load_target, parse_dtype
 from flashtree.sampler import fresh_seed
 from flashtree.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from flashtree.parallel import EngineLink
 
 
 @dataclass
@@ -67,19 +76,40 @@ def load_tokenizer(path):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, share_weights: "LLMEngine | None" = None) -> None:
+    def __init__(self, config: EngineConfig, share_weights: "LLMEngine | None" = None,
+                 tp: "EngineLink | None" = None) -> None:
         """`share_weights`: an engine over the same checkpoints whose loaded modules to reuse, so
         several configurations (methods, budgets, limits) can run side by side without reloading;
-        each engine still owns its KV caches. The bench drives its grid this way."""
+        each engine still owns its KV caches. The bench drives its grid this way.
+
+        With config.tensor_parallel_size N > 1 this process is rank 0: the N - 1 worker
+        processes (started on first use, flashtree.parallel.workers) build the same engine on
+        their slices of the target while this one builds its own, and then follow its runner.
+        `tp` is how a worker's engine learns its rank (an EngineLink); callers leave it None."""
+        if tp is None and config.tensor_parallel_size > 1:
+            from flashtree.parallel import open_engine
+
+            with open_engine(self, config, share_weights) as tp:
+                self._build(config, share_weights, tp)
+        else:
+            self._build(config, share_weights, tp)
+
+    def _build(self, config: EngineConfig, share_weights: "LLMEngine | None", tp: "EngineLink | None") -> None:
         self.config = config
+        self.tp = tp
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = tp.device if tp is not None else device  # a rank's own GPU (or the CPU)
         dtype = parse_dtype(config.dtype, device)
         self.device = device
         other = share_weights
-        if other is not None and (other.config.target, other.device, other.dtype) != (config.target, device, dtype):
-            raise FlashtreeError("share_weights needs an engine with the same target, device and dtype")
+        same = (config.target, device, dtype, config.tensor_parallel_size)
+        if other is not None and (other.config.target, other.device, other.dtype,
+                                  other.config.tensor_parallel_size) != same:
+            raise FlashtreeError("share_weights needs an engine with the same target, device, dtype and "
+                                 "tensor_parallel_size")
         self.dtype = dtype
-        self.target = other.target if other is not None else load_target(config.target, dtype, device)
+        self.target = other.target if other is not None else load_target(config.target, dtype, device,
+                                                                          tp=tp.group if tp is not None else None)
         self.drafter = None
         if config.method != "ar":
             if other is not None and other.drafter is not None and other.config.drafter == config.drafter:
@@ -92,8 +122,20 @@ class LLMEngine:
         self.tokenizer = other.tokenizer if other is not None else load_tokenizer(self.target.source_dir)
         self.eos_ids = self._eos_ids()
         self.scheduler = Scheduler(config.max_batch, config.max_queue)
+        self.output = OutputProcessor(self.tokenizer, self.eos_ids, config.max_model_len)
         self.runner = ModelRunner(config, self.target, self.drafter, device)
+        if tp is not None:  # all ranks take rank 0's start-up timings; rank 0's runner the workers then mirror
+            self.runner = tp.attach(self.runner)
+        self.prefix = self._prefix_cache()
+        self._token_text: TokenText | None = None
+        self._state_keys = itertools.count()  # names of recurrent states the runner keeps for the prefix cache
         self.last_round: RoundInfo | None = None
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        caches = [self.runner.cache] + ([self.runner.draft_cache] if self.drafter is not None else [])
+        if not self.config.prefix_cache or not all(c.shares_prefixes for c in caches):
+            return None  # off, or a sliding-window drafter (see flashtree/engine/prefix_cache.py)
+        return PrefixCache(self.config.max_batch, recurrent=self.runner.cache.recurrent)
 
     def _eos_ids(self) -> set[int]:
         """The tokenizer's EOS and the checkpoint's (generation_config.json through transformers'
@@ -102,6 +144,16 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
+
+    def on_every_rank(self, fn, *args, rank0_kwargs: dict | None = None, **kwargs):
+        """fn(engine, *args, **kwargs) on this engine and, under tensor parallelism, on every
+        worker's copy of it at the same time: for work on the loaded models outside the round
+        loop, whose sharded forwards need every rank (the bench's cost curve). fn must be a
+        module-level function and the arguments picklable; `rank0_kwargs` (a progress callback)
+        go to this process's call alone. Returns this process's result."""
+        if self.tp is not None and self.tp.cluster is not None:
+            self.tp.run(fn, args, kwargs)
+        return fn(self, *args, **kwargs, **(rank0_kwargs or {}))
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -145,24 +197,72 @@ class LLMEngine:
             raise PromptTooLong(f"the prompt has {chars} characters; the context holds {limit} tokens, and "
                                 f"prompts over {bound} characters are refused without tokenizing them")
 
+    def token_pieces(self, ids: list[int]) -> list[tuple[str, bytes]]:
+        """Each token alone: its text and its exact bytes (how logprobs list tokens)."""
+        if self.tokenizer is None:
+            return [(f"token_id:{i}", f"token_id:{i}".encode()) for i in ids]
+        if self._token_text is None:
+            self._token_text = TokenText(self.tokenizer)
+        return self._token_text.pieces(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids (special tokens skipped), e.g. a token-id prompt to echo."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(len(s.waiting), len(s.running), self.last_round)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+        """Queue one sample of a prompt (n = 1, no best_of); add_group takes any n."""
         params = params or SamplingParams()
+        if params.num_samples > 1:
+            raise FlashtreeError("add_request makes one sample; use add_group for n > 1 or best_of")
         ids = self.encode(prompt)
         self.check_length(ids)
-        req = Request(ids, params)
-        if request_id is not None:
-            req.request_id = request_id
-        req.seed = fresh_seed() if params.seed is None else params.seed
+        req = self._sample(ids, params, request_id or new_request_id(), 0)
         self.scheduler.add(req)
         return req
 
-    def abort(self, req: Request) -> None:
-        self.scheduler.finish(req, "abort")
-        req.stats.finished = time.perf_counter()
+    def add_group(self, prompt: str | list[int], params: SamplingParams | None = None,
+                  request_id: str | None = None) -> RequestGroup:
+        """Queue params.best_of (or n) samples of one prompt. They are seated together and share
+        one prefill: the first sample computes the prompt, the others copy its K/V. Sample i is
+        request `{request_id}-{i}` (just request_id when there is one sample), seeded with
+        derived_seed(seed, i) when params.seed is set."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        self.check_length(ids)
+        k = params.num_samples
+        if k > self.config.max_batch:
+            raise FlashtreeError(f"n/best_of = {k} samples need {k} cache slots at once, but this engine has "
+                                 f"max_batch={self.config.max_batch}; ask for fewer or raise max_batch (--max-batch)")
+        gid = request_id or new_request_id()
+        samples = [self._sample(ids, params, gid if k == 1 else f"{gid}-{i}", i) for i in range(k)]
+        group = RequestGroup(gid, ids, params, samples)
+        for s in samples:
+            s.group = group
+        self.scheduler.add(samples)
+        return group
+
+    def _sample(self, ids: list[int], params: SamplingParams, request_id: str, index: int) -> Request:
+        req = Request(ids, params, request_id=request_id, index=index)
+        req.seed = fresh_seed() if params.seed is None else derived_seed(params.seed, index)
+        # best_of ranks samples by cumulative logprob, so it needs them even when not asked.
+        if params.logprobs is not None or params.num_samples > params.n:
+            req.logprobs = []
+        if params.prompt_logprobs is not None and index == 0:
+            req.prompt_logprobs = [None]
+        return req
+
+    def abort(self, req: Request | RequestGroup) -> None:
+        """End a request; a sample of a group ends its whole group (one client request)."""
+        group = req if isinstance(req, RequestGroup) else req.group
+        now = time.perf_counter()
+        for s in group.samples if group is not None else [req]:
+            if not s.finished:
+                self.scheduler.finish(s, "abort")
+                s.stats.finished = now
 
     @property
     def has_unfinished(self) -> bool:
@@ -171,27 +271,25 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """Admit and prefill new requests, then run one batched round over the running ones."""
+        """Seat waiting requests, prefill up to max_prefill_tokens of prompts, then run one batched
+        round over every request that holds its next root."""
         outputs: list[StepOutput] = []
-        for req in self.scheduler.admit():
-            t0 = time.perf_counter()
-            first = self.runner.prefill(req)
-            req.stats.stage_seconds["prefill"] += time.perf_counter() - t0
-            req.stats.first_token = time.perf_counter()
-            outputs.append(self._emit(req, [first]))
-        # Freshly prefilled requests join this round at once: they already hold a bonus token.
-        running = sorted(self.scheduler.running, key=lambda r: r.slot)
+        for req in self.scheduler.admit(self._choose_slot):
+            self._seat(req)
+        self._prefill(outputs)
+        # Requests whose prefill just ended join this round at once: they already hold a bonus token.
+        running = sorted(self.scheduler.decoding(), key=lambda r: r.slot)
         if not running:
             return outputs
         t0 = time.perf_counter()
-        emitted, seconds = self.runner.step(running)
+        emitted, seconds, logprobs = self.runner.step(running)
         elapsed = time.perf_counter() - t0
         plan = self.runner.last_plan
         modes = [plan.label(i) for i in range(len(running))]
         sizes = [plan.size(i) for i in range(len(running))]
         self.last_round = RoundInfo(len(running), elapsed, [len(e) for e in emitted], modes, sizes,
                                     list(plan.predicted))
-        for i, (req, tokens) in enumerate(zip(running, emitted)):
+        for i, (req, tokens, lps) in enumerate(zip(running, emitted, logprobs)):
             stats = req.stats
             stats.accept_lengths.append(len(tokens))
             stats.modes.append(modes[i])
@@ -199,63 +297,84 @@ class LLMEngine:
             stats.predicted_accepts.append(plan.predicted[i])
             for name, s in seconds.items():
                 stats.stage_seconds[name] += s
-            outputs.append(self._emit(req, tokens))
+            outputs.append(self._emit(req, tokens, lps))
         return outputs
 
-    def _detokenize(self, req: Request, final: bool) -> str:
-        """Text of the tokens not yet decoded, decoding only a short window (not the whole output).
+    # ---- seating and prefill --------------------------------------------------------------
 
-        Decoding ids[prefix:] and subtracting ids[prefix:read] keeps tokenizers that drop a
-        leading space at a sequence start right; a trailing partial UTF-8 character is held back
-        until a later round completes it.
-        """
-        ids = req.output_ids
-        decode = self.tokenizer.decode
-        prefix_text = decode(ids[req.prefix_offset:req.read_offset], skip_special_tokens=True)
-        full = decode(ids[req.prefix_offset:], skip_special_tokens=True)
-        if full.endswith("\ufffd") and not final:
-            return ""
-        req.prefix_offset, req.read_offset = req.read_offset, len(ids)
-        return full[len(prefix_text):]
+    def _choose_slot(self, req: Request, free: list[int]) -> int:
+        return free[-1] if self.prefix is None else self.prefix.choose_slot(free)
 
-    def _emit(self, req: Request, tokens: list[int]) -> StepOutput:
-        """Append a round's tokens, trimming exactly at EOS, stop ids, stop strings or limits."""
-        params = req.params
-        max_new = min(params.max_tokens, self.config.max_model_len - len(req.prompt_ids))
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        new: list[int] = []
-        reason = None
-        for t in tokens:
-            if t in stop_ids:
-                reason = "stop"
+    def _seat(self, req: Request) -> None:
+        """Start a seated request's slot: empty, or holding the longest prefix the cache has."""
+        if not req.prefills:
+            return  # a group's other samples copy the first one's prompt when it is done
+        match = None
+        if self.prefix is not None and req.prompt_logprobs is None:
+            match = self.prefix.match(req.prompt_ids, req.slot)
+        length = match.length if match is not None else 0
+        self.runner.seat(req.slot, match.source if length else None, length, match.state if length else None)
+        req.num_computed = req.stats.cached_tokens = length
+        req.save_state_at = match.save_at if match is not None else None
+        if self.prefix is not None:
+            self.prefix.assign(req.slot, req.prompt_ids, length)
+
+    def _prefill(self, outputs: list[StepOutput]) -> None:
+        """One chunk for each prefilling request while the step's max_prefill_tokens last."""
+        budget = self.config.max_prefill_tokens
+        for req in self.scheduler.prefilling():
+            if budget == 0:
                 break
-            new.append(t)
-            if len(req.output_ids) + len(new) >= max_new:
-                reason = "length"
-                break
-        req.output_ids.extend(new)
-        old_text = req.text
-        if self.tokenizer is not None:
-            text = req.text + self._detokenize(req, final=reason is not None)
-            if params.stop:
-                text, hit = trim_stop(text, params.stop, max(0, len(old_text) - max(map(len, params.stop))))
-                if hit:
-                    reason = "stop"
-            req.text = text
+            start = req.num_computed
+            end = min(len(req.prompt_ids), start + budget)
+            if req.save_state_at is not None and start < req.save_state_at < end:
+                end = req.save_state_at
+            budget -= end - start
+            t0 = time.perf_counter()
+            self.runner.prefill(req, end)
+            req.num_computed = end
+            if self.prefix is not None:
+                self.prefix.extend(req.slot, end)
+                if end == req.save_state_at:
+                    key = next(self._state_keys)
+                    self.runner.save_state(req.slot, key)
+                    for old in self.prefix.save_state(req.prompt_ids[:end], key):
+                        self.runner.drop_state(old)
+            req.stats.stage_seconds["prefill"] += time.perf_counter() - t0
+            if req.prefilled:
+                outputs.extend(self._start(req))
+
+    def _start(self, first: Request) -> list[StepOutput]:
+        """The prompt is in: the group's other samples get copies of it, then every sample draws
+        its first token from the prompt's last logits."""
+        t0 = time.perf_counter()
+        samples = [s for s in (first.group.samples if first.group is not None else [first]) if not s.finished]
+        tokens, logprobs = self.runner.start_samples(samples)
+        now = time.perf_counter()
+        outputs = []
+        for s, token, lp in zip(samples, tokens, logprobs):
+            if s is not first:
+                s.num_computed = len(s.prompt_ids)
+                s.stats.stage_seconds["prefill"] += now - t0
+                if self.prefix is not None:
+                    self.prefix.assign(s.slot, s.prompt_ids, s.num_computed)
+            s.stats.first_token = now
+            outputs.append(self._emit(s, [token], lp))
+        return outputs
+
+    # ---- output ---------------------------------------------------------------------------
+
+    def _emit(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> StepOutput:
+        """Append a round's tokens (trimmed at EOS, stop ids, stop strings, limits); finish on a stop."""
+        new, reason = self.output.append(req, tokens, logprobs)
         if reason is None:
             req.bonus = tokens[-1]
         else:
             self.scheduler.finish(req, reason)
             req.stats.finished = time.perf_counter()
+            if self.prefix is not None:
+                self.prefix.touch(req.slot)
         return StepOutput(req, new, req.finished)
 
 
-def trim_stop(text: str, stops: list[str], search_from: int) -> tuple[str, bool]:
-    """Cut text before the earliest stop string found at or after search_from."""
-    hits = [i for s in stops if (i := text.find(s, search_from)) >= 0]
-    if not hits:
-        return text, False
-    return text[: min(hits)], True
-
-
-__all__ = ["LLMEngine", "StepOutput", "RoundInfo", "EngineStats", "STAGES", "Status"]
+__all__ = ["LLMEngine", "StepOutput", "RoundInfo", "EngineStats", "STAGES", "Status", "RequestGroup", "TokenLogprob"]

@@ -4,10 +4,13 @@ Stages as timed: draft = drafter forward + LM head + appending the accepted node
 the drafter's context; tree = building the tree; verify = target forward (mask included) +
 per-node token choice; commit = accept walk + the round's one host read + KV compaction.
 
-The round touches the host twice: on the way in, one non-blocking copy of staged inputs (slots,
-starts, roots); on the way out, one `.tolist()` of accepted counts and tokens (plus, for
-budget="auto", the expected acceptance that sizes the next round). Everything between stays on
-the device. The runner owns every cache length: it commits the target and drafter caches.
+The round touches the host twice: on the way in, non-blocking copies of staged inputs (slots,
+starts, roots; the plan's index lists); on the way out, one `.tolist()` of accepted counts and
+tokens (plus, for budget="auto", the draft data the speculation policy plans the next round
+with, and any logprobs). Everything between stays on the device. The runner owns every cache
+length: it commits the target and drafter caches. With budget="auto" it asks the policy
+(flashtree/engine/policy.py) which rows draft and how each round; the drafter runs on those rows
+only, and the others' drafter context is held back (flashtree/engine/draft_context.py).
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ import torch
 from torch import Tensor
 
 from flashtree.config import EngineConfig
-from flashtree.engine.cost_model import save, startup
+from flashtree.cache import RecurrentState
+from flashtree.engine.cost_model import DEFAULT_SECONDS, save, startup
 from flashtree.engine.draft_context import DeferredContext
+from flashtree.engine.logprobs import pack, unpack
 from flashtree.engine.policy import AR, Policy, RoundPlan, fixed_plan
-from flashtree.engine.sequence import Request
+from flashtree.engine.sequence import Request, TokenLogprob
 from flashtree.engine.staging import Staging
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
-from flashtree.sampler import SamplingBatch, pick
+from flashtree.sampler import SamplingBatch, SamplingStage, pick, processed_logprobs
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
 from flashtree.tree.mix import cat_rows, pad_spec, place_rows, root_only
 from flashtree.tree.value import SPINE, depth_mass, node_kinds, node_reach, path_reach, value_curve, walked_mass
@@ -91,6 +96,7 @@ class ModelRunner:
         self.cache = target.new_cache(config.max_batch, cache_len)
         self.draft_cache = drafter.new_cache(config.max_batch, cache_len) if drafter is not None else None
         self.inputs = InputStage(config.max_batch, device)
+        self.sampling_inputs = SamplingStage(config.max_batch, device)
         self.staging = Staging(device)
         sync = config.stage_timing if config.stage_timing is not None else device.type != "cuda"
         self.clock = StageClock(device, sync)
@@ -99,48 +105,125 @@ class ModelRunner:
         self.deferred: DeferredContext | None = None
         self.owner: list[str | None] = [None] * config.max_batch
         if self.method == "ddtree" and config.budget == "auto":
+            # Tensor-parallel ranks time the target together, so each must run the same points:
+            # no time budget and no cache there (rank 0's tables are then shared: parallel/workers.py).
+            tp = config.tensor_parallel_size > 1
             cost, self.cost_path, self.cost_key = startup(target, drafter, self.cache, self.draft_cache,
                                                           config.max_batch, self.max_window, config.max_budget,
-                                                          config.cost_cache)
+                                                          "off" if tp else config.cost_cache,
+                                                          float("inf") if tp else DEFAULT_SECONDS)
             self.policy = Policy(cost, config.max_batch, self.block_size, config.max_budget, config.max_round_tokens)
             w = drafter.fc.weight
             self.deferred = DeferredContext(config.max_batch, w.shape[1], w.dtype, device)
         self.last_plan: RoundPlan | None = None
         self._draft_pass = 0.0
         self._last_end: float | None = None  # when the previous round returned (the engine's time between counts)
+        self.prompt_logits: dict[int, Tensor] = {}  # slot -> its complete prompt's last logits, until start_samples
+        self.saved_states: dict[int, RecurrentState] = {}  # prefix reuse on a hybrid target: key -> state
 
     def round_budget(self, n: int) -> int:
         """Per-request tree budget for a batch of n: capped so all trees fit max_round_tokens."""
         return max(1, min(self.config.tree_budget, self.config.max_round_tokens // n - 1))
 
-    @torch.inference_mode()
-    def prefill(self, req: Request) -> int:
-        """Fill a fresh slot with the prompt; returns the target's first token (the first bonus)."""
-        n = len(req.prompt_ids)
-        ids = torch.tensor([req.prompt_ids], device=self.device)
-        self.cache.set_length(req.slot, 0)
+    # ---- slots and prefill ----------------------------------------------------------------
+
+    def seat(self, slot: int, source: int | None, length: int, state_key: int | None = None) -> None:
+        """Start a slot empty (source None), or holding source's first `length` committed rows in
+        the target and drafter caches (a shared prefix; a hybrid target also takes the recurrent
+        state saved after them under `state_key`, unless source holds exactly `length` tokens)."""
+        if self.deferred is not None:
+            if source is not None and self.deferred.counts[source]:  # the source's drafter context must be whole
+                n = self.deferred.counts[source]
+                self.append_held({n: [source]}, {f"held{n}": torch.tensor([source], device=self.device),
+                                                 f"held{n}_starts": torch.tensor([self.draft_cache.lengths[source]],
+                                                                                 device=self.device)})
+            self.deferred.reset(slot)
+        if source is None:
+            self.cache.set_length(slot, 0)
+            if self.drafter is not None:
+                self.draft_cache.set_length(slot, 0)
+            return
+        state = self.saved_states[state_key] if state_key is not None else None
+        self.cache.copy_prefix(source, slot, length, state)
         if self.drafter is not None:
-            self.draft_cache.set_length(req.slot, 0)
+            self.draft_cache.copy_prefix(source, slot, length)
+
+    def save_state(self, slot: int, key: int) -> None:
+        """Keep a hybrid target's recurrent state at the slot's committed length under `key` (for
+        prefix reuse). It stays here, on each rank's own device, until drop_state(key)."""
+        self.saved_states[key] = self.cache.save_state(slot)
+
+    def drop_state(self, key: int) -> None:
+        self.saved_states.pop(key, None)
+
+    @torch.inference_mode()
+    def prefill(self, req: Request, end: int) -> None:
+        """Append prompt tokens [num_computed, end) to the slot, target and drafter caches (a
+        chunk: it attends to what the slot holds, and a hybrid target's recurrence continues
+        from there). Once the prompt is complete, its last logits wait for start_samples. A
+        request that asked for prompt logprobs gets those of the chunk's next tokens."""
+        start = req.num_computed
+        n = end - start
+        ids = torch.tensor([req.prompt_ids[start:end]], device=self.device)
         batch = SlotBatch.of(self.cache, [req.slot])
         ctx = ForwardContext.prefill(self.cache, batch, n)
-        out = self.target(ids, ctx, self.feature_layers, last_only=True)
+        scored = req.prompt_logprobs is not None
+        out = self.target(ids, ctx, self.feature_layers, last_only=not scored)
         self.cache.commit(ctx, [n])
         if self.drafter is not None:
             dctx = ForwardContext.block(self.draft_cache, batch, n)
             self.drafter.add_context(dctx, out.features)
             self.draft_cache.commit(dctx, [n])
-        sampling = SamplingBatch.build([req.params], [req.seed], self.device)
-        return int(pick(out.logits[:, -1:], sampling, torch.full((1, 1), n, device=self.device))[0, 0])
+        if scored:
+            self.score_prompt(req, out.logits, start, end)
+        if end == len(req.prompt_ids):
+            self.prompt_logits[req.slot] = out.logits[:, -1:]
+
+    def score_prompt(self, req: Request, logits: Tensor, start: int, end: int) -> None:
+        """Prompt logprobs: logits [1, n, V] at positions start.. score prompt tokens start+1..
+        under the target's plain distribution (log-softmax): no prompt token was sampled, so no
+        temperature or filter applies to it."""
+        count = min(end, len(req.prompt_ids) - 1) - start
+        if count <= 0:
+            return
+        k = req.params.prompt_logprobs
+        tokens = req.prompt_ids[start + 1:start + 1 + count]
+        lp = torch.log_softmax(logits[:, :count].to(torch.promote_types(logits.dtype, torch.float32)), -1)
+        packed = pack(lp, torch.tensor([tokens], device=self.device), k)
+        req.prompt_logprobs.extend(unpack(packed.flatten().tolist(), tokens, k, k))
 
     @torch.inference_mode()
-    def step(self, reqs: list[Request]) -> tuple[list[list[int]], dict[str, float]]:
-        """One round for every request in `reqs`; returns each one's emitted tokens."""
+    def start_samples(self, reqs: list[Request]) -> tuple[list[int], list[list[TokenLogprob] | None]]:
+        """reqs[0] has just prefilled its prompt: copy it into the other samples' slots (a group's,
+        seated with it), then each draws its first token from the prompt's last logits (one
+        read). Returns the tokens, and the logprob entry of those samples that keep logprobs."""
+        first = reqs[0]
+        n = len(first.prompt_ids)
+        for r in reqs[1:]:
+            self.seat(r.slot, first.slot, n)
+        x = self.prompt_logits.pop(first.slot).expand(len(reqs), -1, -1)
+        sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device,
+                                       self.sampling_inputs)
+        picks = pick(x, sampling, torch.full((len(reqs), 1), n, device=self.device))
+        k = max((r.params.logprobs or 0 for r in reqs if r.logprobs is not None), default=None)
+        if k is None:
+            return picks[:, 0].tolist(), [None] * len(reqs)
+        packed = pack(processed_logprobs(x, sampling), picks, k)
+        rows = torch.cat([picks.double(), packed.flatten(1)], dim=1).tolist()
+        tokens = [int(row[0]) for row in rows]
+        return tokens, [unpack(row[1:], [t], r.params.logprobs or 0, k) if r.logprobs is not None else None
+                        for r, row, t in zip(reqs, rows, tokens)]
+
+    @torch.inference_mode()
+    def step(self, reqs: list[Request]) -> tuple[list[list[int]], dict[str, float], list[list[TokenLogprob] | None]]:
+        """One round for every request in `reqs`: each one's emitted tokens, the stage times, and
+        the emitted tokens' logprobs for requests that keep them (else None)."""
         t0 = time.perf_counter()
         self.clock.seconds = {}
         slots = [r.slot for r in reqs]
         plan = self.plan(reqs)
         batch, roots = self.inputs.upload(slots, [self.cache.lengths[s] for s in slots], [r.bonus for r in reqs])
-        sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device)
+        sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device, self.sampling_inputs)
         staged, flush = self.stage(plan, reqs)
         if flush:
             with self.clock.stage("draft"):
@@ -153,7 +236,8 @@ class ModelRunner:
         with self.clock.stage("commit"):
             walk = accept_walk(spec, picks)
             extras = self.round_extras(plan, values, walk, staged, out.logits, picks)
-            counts, emitted, host_extras = self.read_round(walk.num_nodes, walk.tokens, extras)
+            scores = self.round_logprobs(out.logits, walk.path, walk.tokens, reqs, sampling)
+            counts, emitted, logprobs, host_extras = self.read_round(walk.num_nodes, walk.tokens, reqs, extras, scores)
             self.cache.commit(ctx, counts, walk.path, walk.num_nodes)
         if self.drafter is not None:
             # Projecting the accepted nodes' features into drafter K/V is drafter model work.
@@ -167,7 +251,7 @@ class ModelRunner:
             gap = t0 - self._last_end if self._last_end is not None else 0.0
             self.learn(plan, slots, counts, host_extras, end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0))
             self._last_end = time.perf_counter()
-        return emitted, dict(self.clock.seconds)
+        return emitted, dict(self.clock.seconds), logprobs
 
     # ---- the plan: who drafts, and how ----------------------------------------------------
 
@@ -326,21 +410,43 @@ class ModelRunner:
         if cost.refined == SAVE_AFTER:  # keep what this run learned for the next start
             save(self.cost_path, self.cost_key, cost)
 
-    def read_round(self, num_nodes: Tensor, tokens: Tensor, extras: Tensor | None
-                   ) -> tuple[list[int], list[list[int]], np.ndarray | None]:
-        """The round's one device-to-host read: accepted counts and tokens (and the policy's floats)."""
+    def round_logprobs(self, logits: Tensor, path: Tensor, tokens: Tensor, reqs: list[Request],
+                       sampling: SamplingBatch) -> Tensor | None:
+        """[R, A * (1 + 2k)]: the emitted tokens' logprobs and top-k at the accepted path's nodes
+        (whose verify logits gave those tokens), when some request keeps logprobs."""
+        keep = [r for r in reqs if r.logprobs is not None]
+        if not keep:
+            return None
+        k = max(r.params.logprobs or 0 for r in keep)
+        return pack(processed_logprobs(gather_nodes(logits, path), sampling), tokens, k).flatten(1)
+
+    def read_round(self, num_nodes: Tensor, tokens: Tensor, reqs: list[Request], extras: Tensor | None = None,
+                   scores: Tensor | None = None
+                   ) -> tuple[list[int], list[list[int]], list[list[TokenLogprob] | None], np.ndarray | None]:
+        """The round's one device-to-host read: accepted counts and tokens, and riding along in
+        float64 (which holds every token id exactly) the policy's floats and the logprobs."""
         packed = torch.cat([num_nodes[:, None], tokens], dim=1)
-        if extras is None:
+        R, w = packed.shape
+        if extras is None and scores is None:
             host = packed.tolist()
+            rest = [[] for _ in host]
             more = None
         else:
-            # float64 holds every token id exactly, so the policy's floats ride along in the same read.
-            R, W = packed.shape
-            flat = torch.cat([packed.flatten().double(), extras.flatten().double()]).tolist()
-            host = [[int(x) for x in flat[r * W : (r + 1) * W]] for r in range(R)]
-            more = np.array(flat[R * W :]).reshape(tuple(extras.shape))
+            parts = [packed.double() if scores is None else torch.cat([packed.double(), scores.double()], 1)]
+            flat = torch.cat([parts[0].flatten()] + ([extras.flatten().double()] if extras is not None else [])).tolist()
+            width = parts[0].shape[1]
+            rows = [flat[r * width : (r + 1) * width] for r in range(R)]
+            host = [[int(x) for x in row[:w]] for row in rows]
+            rest = [row[w:] for row in rows]
+            more = np.array(flat[R * width :]).reshape(tuple(extras.shape)) if extras is not None else None
         counts = [row[0] for row in host]
-        return counts, [row[1 : 1 + row[0]] for row in host], more
+        emitted = [row[1 : 1 + row[0]] for row in host]
+        logprobs: list[list[TokenLogprob] | None] = [None] * len(reqs)
+        if scores is not None:
+            width = (scores.shape[1] // tokens.shape[1] - 1) // 2
+            logprobs = [unpack(row, toks, r.params.logprobs or 0, width) if r.logprobs is not None else None
+                        for r, row, toks in zip(reqs, rest, emitted)]
+        return counts, emitted, logprobs, more
 
     def extend_context(self, plan: RoundPlan, staged: dict[str, Tensor], batch: SlotBatch, features: Tensor,
                        walk, counts: list[int], slots: list[int]) -> None:

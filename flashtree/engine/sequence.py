@@ -1,11 +1,13 @@
-"""One request's state as it moves through the engine."""
+"""One request's state as it moves through the engine, and the group of samples it may belong to."""
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from flashtree.sampling import SamplingParams
 
@@ -13,10 +15,23 @@ STAGES = ("prefill", "draft", "tree", "verify", "commit")
 _ids = itertools.count()
 
 
+def new_request_id() -> str:
+    return f"req-{next(_ids)}"
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
-    RUNNING = "running"
+    RUNNING = "running"  # holds a slot: prefilling, then decoding
     FINISHED = "finished"
+
+
+class TokenLogprob(NamedTuple):
+    """A committed token's log-probability under the distribution it was sampled from, and the
+    `k` most likely tokens there (best first, ties by lower id)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -34,6 +49,7 @@ class RequestStats:
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     finished: float | None = None
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache, not a prefill
 
     @property
     def rounds(self) -> int:
@@ -58,24 +74,34 @@ class RequestStats:
             "stage_seconds": dict(self.stage_seconds),
             "wall_seconds": self.wall_seconds,
             "ttft_seconds": None if self.first_token is None else self.first_token - self.arrival,
+            "cached_tokens": self.cached_tokens,
         }
 
 
 @dataclass
 class Request:
+    """One sample: a cache slot, its output and its detokenizer state."""
+
     prompt_ids: list[int]
     params: SamplingParams
-    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    request_id: str = field(default_factory=lambda: new_request_id())
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length", "abort"
     slot: int = -1
-    bonus: int = -1  # the next round's root: sampled by the target, not yet in the cache
+    bonus: int = -1  # the next round's root: sampled by the target, not yet in the cache (-1 before the first)
+    num_computed: int = 0  # prompt tokens whose K/V the slot holds (prefilled, copied or reused)
+    save_state_at: int | None = None  # hybrid prefix reuse: a prefill chunk ends here to save the state
     text: str = ""
     prefix_offset: int = 0  # incremental detokenization window: ids[prefix_offset:read_offset]
     read_offset: int = 0  # was decoded last round
     stats: RequestStats = field(default_factory=RequestStats)
-    seed: int = 0  # keys the sampling noise: params.seed, or fresh random bits (set by add_request)
+    seed: int = 0  # keys the sampling noise: derived from params.seed, or fresh random bits (see add_group)
+    group: RequestGroup | None = None
+    index: int = 0  # which sample of its group
+    logprobs: list[TokenLogprob] | None = None  # per output token, when asked (or best_of needs them)
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (None for the first)
 
     @property
     def finished(self) -> bool:
@@ -84,3 +110,48 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefills(self) -> bool:
+        """Computes its own prompt: a group's other samples copy the first sample's."""
+        return self.index == 0
+
+    @property
+    def prefilled(self) -> bool:
+        return self.num_computed == len(self.prompt_ids)
+
+    @property
+    def decoding(self) -> bool:
+        return self.bonus >= 0 and not self.finished
+
+
+def derived_seed(seed: int, index: int) -> int:
+    """Sample `index`'s seed in a group seeded with `seed`: the seed itself for sample 0 (so n=1 is
+    a plain seeded request), else the first 8 bytes (little-endian, top bit cleared) of
+    blake2b(f"{seed}:{index}"), which no neighbouring seed reproduces."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass
+class RequestGroup:
+    """The samples (n, or best_of) of one prompt; they share its prefill."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    samples: list[Request]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+    def choices(self) -> list[Request]:
+        """The n samples to return: all of them in order, or with best_of the n highest by
+        cumulative logprob (ties: lower index), in that order."""
+        n = self.params.n
+        if len(self.samples) == n:
+            return list(self.samples)
+        return sorted(self.samples, key=lambda s: (-s.cumulative_logprob, s.index))[:n]

@@ -20,11 +20,15 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from flashtree.errors import FlashtreeError
+
+if TYPE_CHECKING:
+    from flashtree.parallel.group import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -185,13 +189,15 @@ def build_target(config) -> nn.Module:
     return cls(args)
 
 
-def load_target(name_or_path: str | os.PathLike, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Build our own implementation of the target architecture and stream its weights in."""
+def load_target(name_or_path: str | os.PathLike, dtype: torch.dtype, device: torch.device,
+                tp: TensorParallel | None = None) -> nn.Module:
+    """Build our own implementation of the target architecture and stream its weights in; with
+    `tp`, only this rank's slice of it (flashtree.parallel.shard), read as slices of the checkpoint."""
     path = resolve(name_or_path)
     config = read_config(path)
     with meta_device(), default_dtype(dtype):
         model = build_target(config)
-    load_checkpoint(model, path, torch.device(device), convert=getattr(model, "convert_checkpoint", None))
+    load_checkpoint(model, path, torch.device(device), convert=getattr(model, "convert_checkpoint", None), tp=tp)
     model.source_dir = path
     model.hf_config = config
     model.generation_config = read_generation_config(path, config)
@@ -380,19 +386,22 @@ class ShardReader:
         self.mapped += t.numel() * t.element_size()
         return t
 
-    def copy_into(self, name: str, dest: Tensor) -> None:
-        """dest.copy_(tensor), in row blocks of at most `budget` bytes."""
+    def copy_into(self, name: str, dest: Tensor, source: tuple[slice, ...] = ()) -> None:
+        """dest.copy_(tensor[source]), in row blocks of at most `budget` bytes; `source` (slices
+        over leading dims, a tensor-parallel rank's part) is read alone, through get_slice."""
         view = self._open().get_slice(name)
         shape = view.get_shape()
         if not shape:
             dest.copy_(self.tensor(name))
             return
-        row_bytes = DTYPE_BYTES.get(view.get_dtype(), 8) * max(1, dest[0].numel())
+        first, rest = (source[0], tuple(source[1:])) if source else (slice(None), ())
+        begin, end, _ = first.indices(shape[0])
+        row_bytes = DTYPE_BYTES.get(view.get_dtype(), 8) * max(1, dest[0].numel() if len(dest) else 1)
         step = max(1, self.budget // row_bytes)
-        for start in range(0, shape[0], step):
-            stop = min(start + step, shape[0])
-            block = self._open().get_slice(name)[start:stop]
-            dest[start:stop].copy_(block)
+        for start in range(begin, end, step):
+            stop = min(start + step, end)
+            block = self._open().get_slice(name)[(slice(start, stop), *rest)]
+            dest[start - begin:stop - begin].copy_(block)
             self.mapped += block.numel() * block.element_size()
             del block
 
@@ -416,15 +425,29 @@ def materialize(model: nn.Module, device: torch.device) -> None:
                            "create them with an explicit device")
 
 
-def load_checkpoint(model: nn.Module, path: Path, device: torch.device, convert=None) -> None:
+def load_checkpoint(model: nn.Module, path: Path, device: torch.device, convert=None,
+                    tp: TensorParallel | None = None) -> None:
     """Fill a model built on the meta device from the safetensors checkpoint in `path`.
 
     convert(name, tensor) -> {name: tensor}: the model's per-tensor format conversion, for
     checkpoint tensors its layout does not name (Qwen3-Next's packed projections).
+    tp: cut the model to this rank's slice after checking the checkpoint against the full model,
+    and read only that slice of each tensor.
     """
     plan = plan_load(model, path, convert)
+    shards = None
+    if tp is not None:
+        from flashtree.parallel.shard import shard_model, zero_rank0_only
+
+        shards = shard_model(model, tp)
     materialize(model, device)
     params = dict(model.named_parameters())
+
+    def places(param: str, index: tuple) -> list[tuple[tuple, tuple]]:
+        """(index into our parameter, index into the checkpoint tensor) pairs to copy."""
+        shard = shards.shards.get(param) if shards is not None else None
+        return [(index, ())] if shard is None else shard.place(index)
+
     with torch.no_grad():
         for file in plan.files:
             reader = ShardReader(path / file)
@@ -433,10 +456,14 @@ def load_checkpoint(model: nn.Module, path: Path, device: torch.device, convert=
                     if entry.converted:
                         outs = convert(strip_prefix(entry.name), reader.tensor(entry.name))
                         for key, (param, index) in entry.targets.items():
-                            params[param][index].copy_(outs[key])
+                            for dest, source in places(param, index):
+                                params[param][dest].copy_(outs[key][source])
                         del outs
                     else:
                         (param, index), = entry.targets.values()
-                        reader.copy_into(entry.name, params[param][index])
+                        for dest, source in places(param, index):
+                            reader.copy_into(entry.name, params[param][dest], source)
             finally:
                 reader.close()
+        if shards is not None:
+            zero_rank0_only(model, shards, tp)

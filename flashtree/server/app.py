@@ -23,12 +23,12 @@ from flashtree.config import DEMO_TARGET
 from flashtree.engine import LLMEngine
 from flashtree.server.errors import APIError, install_error_handlers
 from flashtree.server.limits import BodyLimit
-from flashtree.server.loop import EngineLoop, RequestStream, Update
+from flashtree.server.loop import EngineLoop, RequestStream
 from flashtree.server.metrics import ServerMetrics
 from flashtree.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                        CompletionResponse, ErrorResponse, ModelCard, ModelList, SamplingFields,
                                        bounded, new_id)
-from flashtree.server.responses import ChatShape, CompletionShape, Shape, events, usage
+from flashtree.server.responses import ChatShape, CompletionShape, Shape, events, final_choices, usage
 from flashtree.server.sse import SSEResponse
 
 # Far above any prompt that fits a context; refuses (413) bodies that would only burn memory.
@@ -94,7 +94,12 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
             raise APIError(400, f"max_tokens={max_tokens} exceeds the context length ({max_len} tokens, prompt "
                            "included); output also stops when prompt + output reach it", "max_tokens",
                            "context_length_exceeded")
-        return body.sampling_params(max_tokens)
+        params = body.sampling_params(max_tokens)
+        if params.num_samples > engine.config.max_batch:
+            field = "best_of" if params.best_of else "n"
+            raise APIError(400, f"{field}={params.num_samples} samples are decoded together, but this server "
+                           f"decodes at most {engine.config.max_batch} requests at once (--max-batch)", field)
+        return params
 
     async def tokenize(encode, *args) -> list[int]:
         """Token ids from the worker pool, refused there if they cannot fit the context."""
@@ -106,20 +111,15 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
 
         return await asyncio.get_running_loop().run_in_executor(pool, work)
 
-    async def final(stream: RequestStream, request: Request) -> Update:
-        """The last Update of a non-streamed request; aborts it if the client hangs up first."""
-
-        async def last() -> Update:
-            while True:
-                update = await stream.next_update()
-                if update.finish_reason is not None or update.error is not None:
-                    return update
+    async def final(stream: RequestStream, request: Request) -> None:
+        """Wait until every sample of a non-streamed request finished; aborts the request if
+        the client hangs up first, raises a sample's error."""
 
         async def hung_up() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        result, watch = asyncio.ensure_future(last()), asyncio.ensure_future(hung_up())
+        result, watch = asyncio.ensure_future(stream.wait_done()), asyncio.ensure_future(hung_up())
         try:
             await asyncio.wait({result, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -129,10 +129,9 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
                 loop.cancel(stream)
         if not result.done() or result.cancelled():
             raise ClientGone()
-        update = result.result()
-        if update.error is not None:
-            raise update.error
-        return update
+        for update in stream.latest.values():
+            if update.error is not None:
+                raise update.error
 
     async def run(request: Request, body: SamplingFields, ids: list[int], params, shape: Shape):
         stream = await loop.submit(shape.id, ids, params)
@@ -141,10 +140,14 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
             # on_close is a no-op once the request finished; otherwise the client left mid-stream.
             return SSEResponse(events(stream, shape, len(ids), include), on_close=lambda: loop.cancel(stream))
         try:
-            update = await final(stream, request)
+            await final(stream, request)
         except ClientGone:
             return Response(status_code=499)
-        return shape.response(update, usage(len(ids), update))
+        choices, updates = final_choices(stream, shape)
+        return shape.response(choices, usage(len(ids), updates))
+
+    def shape_args(params) -> dict:
+        return {"n": params.n, "logprobs": params.logprobs, "pieces": engine.token_pieces}
 
     # ---- endpoints -----------------------------------------------------------------------------
 
@@ -154,7 +157,11 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
         if isinstance(body.prompt, str):
             engine.check_size(len(body.prompt))
         ids = await tokenize(engine.encode, body.prompt)
-        return await run(request, body, ids, params, CompletionShape(new_id("cmpl"), int(time.time()), name))
+        shape = CompletionShape(new_id("cmpl"), int(time.time()), name, **shape_args(params))
+        if body.echo:
+            shape.echo_text = body.prompt if isinstance(body.prompt, str) else engine.decode(ids)
+            shape.echo_ids = ids
+        return await run(request, body, ids, params, shape)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
     async def chat_completions(body: ChatBody, request: Request):
@@ -162,7 +169,8 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         engine.check_size(sum(len(m["content"]) for m in messages))
         ids = await tokenize(engine.encode_chat, messages, body.parse_special_tokens)
-        return await run(request, body, ids, params, ChatShape(new_id("chatcmpl"), int(time.time()), name))
+        return await run(request, body, ids, params, ChatShape(new_id("chatcmpl"), int(time.time()), name,
+                                                               **shape_args(params)))
 
     @app.get("/v1/models", response_model=ModelList)
     async def models():

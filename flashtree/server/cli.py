@@ -9,7 +9,7 @@ from flashtree.cli import add_engine_args, engine_kwargs, positive_int
 from flashtree.config import EngineConfig
 
 # Flags that map onto EngineConfig fields; unset ones keep EngineConfig's defaults.
-ENGINE_LIMITS = ("max_batch", "max_model_len", "max_queue", "max_round_tokens")
+ENGINE_LIMITS = ("max_batch", "max_model_len", "max_queue", "max_round_tokens", "max_prefill_tokens")
 
 
 def port(text: str) -> int:
@@ -39,7 +39,8 @@ def startup_line(engine, name: str, url: str) -> str:
     budget = c.budget if c.method == "ddtree" else "-"
     return (f"flashtree serve: model={name} ({c.target}) drafter={c.drafter or '-'} method={c.method} "
             f"budget={budget} device={engine.device} dtype={str(engine.dtype).removeprefix('torch.')} "
-            f"threads={torch.get_num_threads()} max_batch={c.max_batch} max_model_len={c.max_model_len} url={url}")
+            f"threads={torch.get_num_threads()} max_batch={c.max_batch} max_model_len={c.max_model_len} "
+            + (f"tensor_parallel_size={c.tensor_parallel_size} " if c.tensor_parallel_size > 1 else "") + f"url={url}")
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -48,7 +49,7 @@ def serve(args: argparse.Namespace) -> None:
     from flashtree.server.graceful import GracefulServer
 
     limits = {k: getattr(args, k) for k in ENGINE_LIMITS if getattr(args, k) is not None}
-    engine = LLMEngine(EngineConfig(**engine_kwargs(args), **limits))
+    engine = LLMEngine(EngineConfig(**engine_kwargs(args), **limits, prefix_cache=not args.no_prefix_cache))
     name = args.served_model_name or default_model_name(engine.config.target)
     app = build_app(engine, model_name=name, read_timeout=args.read_timeout)
     # SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to
@@ -71,6 +72,11 @@ def register(subparsers) -> None:
     p.add_argument("--max-round-tokens", type=positive_int,
                    help=f"cap on all trees' nodes in one verify (default {d.max_round_tokens}); "
                    "per-request budget = min(budget, this // batch - 1)")
+    p.add_argument("--max-prefill-tokens", type=positive_int,
+                   help=f"prompt tokens prefilled per engine step (default {d.max_prefill_tokens}): a longer prompt "
+                   "is prefilled in chunks between decode rounds, so running streams keep going")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="always prefill whole prompts (by default a prompt prefix that a cache slot holds is reused)")
     p.add_argument("--served-model-name", help="the `model` clients send (default: flashtree-demo or the dir name)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM before they are aborted (default 30); "

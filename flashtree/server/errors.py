@@ -68,7 +68,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     specific = [e for e in errors if not e.get("type", "").endswith("_type")] or errors
     err = specific[0]
     ctx = err.get("ctx") or {}
-    if err.get("type") == "unsupported":
+    if err.get("type") in ("unsupported", "field_error"):  # raised by model validators, which name the field
         return err["msg"], ctx.get("field")
     if err.get("type") == "context_length_exceeded":
         return err["msg"], None

@@ -14,9 +14,9 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from flashtree.engine import LLMEngine, Request
+from flashtree.engine import LLMEngine, Request, RequestGroup, TokenLogprob
 from flashtree.errors import FlashtreeError
 from flashtree.sampling import SamplingParams
 from flashtree.server.metrics import ServerMetrics
@@ -38,19 +38,26 @@ class EngineFailed(RuntimeError):
 
 @dataclass
 class Update:
-    """One request's progress after a round. `text` is cumulative (the engine's trimmed text)."""
+    """One sample's progress after a round. `text` is cumulative (the engine's trimmed text);
+    token_ids and logprobs are the sample's own lists, which the engine only appends to: read
+    them up to completion_tokens."""
 
     text: str
     completion_tokens: int
     finish_reason: str | None = None
     error: BaseException | None = None
+    index: int = 0  # which sample of the request
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # sample 0 of a request that asked for them
 
 
 class RequestStream:
-    """The asyncio side of one request: an admission future, then its latest Update.
+    """The asyncio side of one request: an admission future, then each sample's latest Update,
+    and once every sample has finished, which samples to return (`chosen`).
 
-    Updates carry the cumulative text, so only the newest matters: a slow reader gets the
-    rounds it missed merged into one larger delta, and memory stays bounded however far
+    Updates carry cumulative text, so only the newest per sample matters: a slow reader gets
+    the rounds it missed merged into one larger delta, and memory stays bounded however far
     it falls behind.
     """
 
@@ -60,18 +67,34 @@ class RequestStream:
         self.prompt_ids = prompt_ids
         self.params = params
         self.admitted: asyncio.Future[None] = self.loop.create_future()
-        self.latest: Update | None = None
+        self.latest: dict[int, Update] = {}
+        self.fresh: set[int] = set()
+        self.chosen: list[int] | None = None  # sample indices to return, in order (best_of: best first)
         self.changed = asyncio.Event()
         self.finished = False
 
-    async def next_update(self) -> Update:
-        """The newest Update not yet returned (waits for the next round if none)."""
-        await self.changed.wait()
-        self.changed.clear()
-        return self.latest
+    async def next_updates(self) -> list[Update]:
+        """The samples' Updates not yet returned, by index (waits for the next round if none)."""
+        while not self.fresh:
+            await self.changed.wait()
+            self.changed.clear()
+        out = [self.latest[i] for i in sorted(self.fresh)]
+        self.fresh.clear()
+        return out
+
+    async def wait_done(self) -> None:
+        """Until every sample finished (chosen is set) or one failed."""
+        while self.chosen is None and not any(u.error is not None for u in self.latest.values()):
+            await self.changed.wait()
+            self.changed.clear()
 
     def _set_latest(self, update: Update) -> None:  # runs on the event loop
-        self.latest = update
+        self.latest[update.index] = update
+        self.fresh.add(update.index)
+        self.changed.set()
+
+    def _set_chosen(self, chosen: list[int]) -> None:
+        self.chosen = chosen
         self.changed.set()
 
     # Called on the engine thread; everything crosses over with call_soon_threadsafe.
@@ -90,6 +113,17 @@ class RequestStream:
     def _update(self, update: Update) -> None:
         self._post(self._set_latest, update)
 
+    def _choose(self, chosen: list[int]) -> None:
+        self._post(self._set_chosen, chosen)
+
+
+def update_of(req: Request, error: BaseException | None = None, reason: str | None = None) -> Update:
+    """A sample's Update now (on the engine thread)."""
+    if reason is None and req.finished:
+        reason = req.finish_reason
+    return Update(req.text, len(req.output_ids), reason, error, req.index, req.output_ids, req.logprobs,
+                  req.prompt_logprobs)
+
 
 def _set_result(fut: asyncio.Future, value) -> None:
     if not fut.done():
@@ -106,7 +140,7 @@ class EngineLoop:
         self.engine = engine
         self.metrics = metrics
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.streams: dict[str, tuple[Request, RequestStream]] = {}
+        self.streams: dict[str, tuple[RequestGroup, RequestStream]] = {}
         self.thread = threading.Thread(target=self._run, name="flashtree-engine", daemon=True)
         self.stopping = False
         self.deadline: float | None = None  # engine thread: abort what still runs after this
@@ -165,8 +199,9 @@ class EngineLoop:
         except Exception as e:  # a bug in this loop: fail every waiter rather than leave it hanging
             log.exception("the engine thread died")
             self.stopping = True
-            for req, stream in list(self.streams.values()):
-                stream._update(Update(req.text, len(req.output_ids), "abort", EngineFailed(e)))
+            for group, stream in list(self.streams.values()):
+                for req in group.samples:
+                    stream._update(update_of(req, EngineFailed(e), "abort"))
             self._reject_queued(EngineStopped("the engine thread died; see the server log"))
 
     def _serve(self) -> None:
@@ -220,41 +255,47 @@ class EngineLoop:
             elif kind == "deadline":
                 self.deadline = arg
             elif kind == "abort" and arg in self.streams:
-                req, stream = self.streams[arg]
-                self.engine.abort(req)
-                self._deliver(req)
+                group, _ = self.streams[arg]
+                self.engine.abort(group)
+                self._deliver(group.samples[0])
 
     def _add(self, stream: RequestStream) -> None:
         if self.stopping:
             stream._reject(EngineStopped("the server is shutting down"))
             return
         try:
-            req = self.engine.add_request(stream.prompt_ids, stream.params, stream.request_id)
+            group = self.engine.add_group(stream.prompt_ids, stream.params, stream.request_id)
         except FlashtreeError as e:  # QueueFull (or a bad prompt): the handler maps it to 429/400
             stream._reject(e)
             return
         except Exception as e:  # a bug; still only this request's
-            log.exception("add_request failed")
+            log.exception("add_group failed")
             stream._reject(e)
             return
-        self.streams[req.request_id] = (req, stream)
+        self.streams[group.request_id] = (group, stream)
         self.metrics.prompt_tokens.inc(len(stream.prompt_ids))
         stream._admit()
 
     def _deliver(self, req: Request, error: BaseException | None = None) -> None:
-        entry = self.streams.get(req.request_id)
+        """Post a sample's Update; once its whole group finished, every sample's last one and
+        the samples to return."""
+        group = req.group
+        entry = self.streams.get(group.request_id)
         if entry is None:
             return
         stream = entry[1]
-        reason = req.finish_reason if req.finished else None
-        if req.finished:
-            del self.streams[req.request_id]
+        done = group.finished
+        for sample in group.samples if done else [req]:
+            stream._update(update_of(sample, error))
+        if done:
+            del self.streams[group.request_id]
             stream.finished = True
-            self.metrics.finished(req, "error" if error is not None else reason)
-        stream._update(Update(req.text, len(req.output_ids), reason, error))
+            first = group.samples[0]
+            self.metrics.finished(first, "error" if error is not None else first.finish_reason)
+            stream._choose([s.index for s in group.choices()])
 
     def _abort_all(self, error: BaseException) -> None:
         # Every request the engine holds was added by _add, which records it in self.streams.
-        for req, _ in list(self.streams.values()):
-            self.engine.abort(req)
-            self._deliver(req, error)
+        for group, _ in list(self.streams.values()):
+            self.engine.abort(group)
+            self._deliver(group.samples[0], error)

@@ -3,7 +3,7 @@
 Strict types (no "1" for 1, no true for 1), no NaN/Infinity, and `extra="forbid"`, so a
 misspelled or unsupported field is a 400 that names it rather than a silently ignored knob.
 OpenAI fields that the engine cannot honour are accepted only at their neutral value
-(n=1, logprobs off, penalties 0, echo off) so that clients which send defaults still work.
+(penalties 0, no tools, no suffix) so that clients which send defaults still work.
 """
 
 from __future__ import annotations
@@ -14,19 +14,15 @@ from typing import Annotated, ClassVar, Literal, TypeVar
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from flashtree.sampling import SamplingParams
+from flashtree.sampling import MAX_LOGPROBS, SamplingParams
 
 INT64 = 2**63
 MAX_STOP = 16
+MAX_SAMPLES = 128  # n and best_of (the engine also needs that many free cache slots at once)
 
 # OpenAI fields the engine cannot honour -> the values that mean "off". A request may send
 # them at those values (many clients send defaults); any other value is a 400 naming the field.
 UNSUPPORTED: dict[str, tuple] = {
-    "n": (1,),
-    "best_of": (1, None),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (False, None),
     "suffix": (None, ""),
     "presence_penalty": (0, 0.0, None),
     "frequency_penalty": (0, 0.0, None),
@@ -65,6 +61,8 @@ TokenCount = Annotated[int, Field(ge=1, le=1_000_000), BeforeValidator(_integral
 TokenId = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
 Seed = Annotated[int, Field(ge=-INT64, lt=INT64), BeforeValidator(_integral)]
 TopK = Annotated[int, Field(ge=-1, le=1_000_000), BeforeValidator(_integral)]
+Samples = Annotated[int, Field(ge=1, le=MAX_SAMPLES), BeforeValidator(_integral)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(_integral)]
 
 
 class Strict(BaseModel):
@@ -84,6 +82,11 @@ def drop_neutral(data):
                                           "(allowed: {allowed})", {"field": key, "value": repr(value)[:40],
                                                                     "allowed": allowed})
     return {k: v for k, v in data.items() if k not in UNSUPPORTED}
+
+
+def field_error(field: str, message: str) -> PydanticCustomError:
+    """A refusal that names its field (for checks that span fields, in model validators)."""
+    return PydanticCustomError("field_error", "{field}: {message}", {"field": field, "message": message})
 
 
 class StreamOptions(Strict):
@@ -117,10 +120,16 @@ class SamplingFields(Strict):
             raise ValueError(f"at most {MAX_STOP} stop strings")
         return v
 
+    n: Samples = Field(1, description="choices to return; they share the prompt's prefill")
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_tokens=max_tokens, stop=stop, seed=self.seed, ignore_eos=self.ignore_eos)
+                              max_tokens=max_tokens, stop=stop, seed=self.seed, ignore_eos=self.ignore_eos,
+                              n=self.n, **self.extra_params())
+
+    def extra_params(self) -> dict:
+        return {}
 
 
 class ContextBound(Strict):
@@ -149,6 +158,25 @@ class CompletionRequest(SamplingFields, ContextBound):
     prompt: Annotated[Text, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] = Field(
         ..., description="one prompt: text, or a list of token ids (batched prompts are not supported)")
     max_tokens: TokenCount | None = Field(16, description="OpenAI's default is 16")
+    best_of: Samples | None = Field(None, description="samples drawn (>= n); the n with the highest cumulative "
+                                    "logprob are returned; not with stream")
+    logprobs: TopLogprobs | None = Field(None, description=f"logprobs of each token and this many alternatives "
+                                         f"(0..{MAX_LOGPROBS})")
+    echo: bool = Field(False, description="return the prompt before the completion (with logprobs: the prompt's "
+                       "too, the first token's null)")
+
+    @model_validator(mode="after")
+    def _samples(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise field_error("best_of", f"must be >= n ({self.n}), got {self.best_of}")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise field_error("best_of", "a value above n cannot be streamed: the best samples are known "
+                              "only at the end")
+        return self
+
+    def extra_params(self) -> dict:
+        return {"best_of": self.best_of, "logprobs": self.logprobs,
+                "prompt_logprobs": self.logprobs if self.echo else None}
 
     @model_validator(mode="before")
     @classmethod
@@ -193,6 +221,12 @@ class ChatCompletionRequest(SamplingFields, ContextBound):
     max_completion_tokens: TokenCount | None = Field(None, description="newer name for max_tokens")
     parse_special_tokens: bool = Field(False, description="extension: special-token strings in message content "
                                        "(e.g. <|im_start|>) become control tokens; by default they are plain text")
+    logprobs: bool | None = Field(None, description="return each output token's logprob")
+    top_logprobs: TopLogprobs | None = Field(None, description=f"with logprobs: this many alternatives per token "
+                                             f"(0..{MAX_LOGPROBS})")
+
+    def extra_params(self) -> dict:
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
     @model_validator(mode="before")
     @classmethod
@@ -209,6 +243,8 @@ class ChatCompletionRequest(SamplingFields, ContextBound):
             raise ValueError("give max_tokens or max_completion_tokens, not both")
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs and not self.logprobs:
+            raise field_error("top_logprobs", "needs logprobs: true")
         return self
 
 
@@ -226,11 +262,20 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: per token its text, logprob, alternatives and text offset."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None only for an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]  # the k best and the chosen token (so up to k + 1)
+    text_offset: list[int]  # where each token starts in the choice's text
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: FinishReason | None
-    logprobs: None = None  # the engine computes no logprobs yet; requests asking for them get a 400
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -249,11 +294,25 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -274,7 +333,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

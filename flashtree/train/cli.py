@@ -52,7 +52,7 @@ def _eval(a: argparse.Namespace) -> None:
     cfg = EvalConfig(target=a.target, drafter=a.drafter, methods=a.methods.split(","),
                      budgets=_ids(a.budgets), max_tokens=a.max_tokens, temperature=a.temperature,
                      chat_template=a.chat_template, limit=a.limit, max_batch=a.max_batch, device=a.device,
-                     dtype=a.dtype, **kw)
+                     dtype=a.dtype, tensor_parallel_size=a.tensor_parallel_size, **kw)
     results = evaluate(cfg)
     print(table(results))
     if a.json:
@@ -155,6 +155,7 @@ def register(subparsers) -> None:
     p.add_argument("--limit", type=int, help="prompts per file")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="split the target over N ranks")
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("demo", help="rebuild the embedded demo target + drafter from the stdlib")

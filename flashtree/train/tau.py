@@ -31,6 +31,7 @@ class EvalConfig:
     max_batch: int = 8
     device: str | None = None
     dtype: str | None = None
+    tensor_parallel_size: int = 1
 
 
 def runs(cfg: EvalConfig) -> list[tuple[str, int]]:
@@ -51,7 +52,7 @@ def evaluate(cfg: EvalConfig, verbose: bool = True) -> dict:
     results: dict[str, dict] = {}
     for method, budget in runs(cfg):
         llm = LLM(target=cfg.target, drafter=cfg.drafter, method=method, budget=budget, device=cfg.device,
-                  dtype=cfg.dtype, max_batch=cfg.max_batch)
+                  dtype=cfg.dtype, max_batch=cfg.max_batch, tensor_parallel_size=cfg.tensor_parallel_size)
         row: dict[str, float] = {}
         rounds = emitted = 0
         t0 = time.perf_counter()

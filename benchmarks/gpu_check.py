@@ -1,0 +1,295 @@
+"""The prepared GPU check: one script, under 8 minutes on one H200, with the device's own PyTorch.
+
+It needs torch, safetensors, transformers and tokenizers (all on the lent machine's image) and
+nothing from the server side (no fastapi/uvicorn). It checks and times:
+
+1. greedy ar == dflash == ddtree (B = 16, 64, auto) on the embedded demo pair, float32, CUDA;
+2. the compiled round (`compile=True`: torch.compile with mode="reduce-overhead", i.e. CUDA graphs
+   per shape bucket) gives the same tokens, and what capture costs;
+3. on Qwen3-8B-shaped random bf16 weights (written to disk here, which also times a TP=1 load):
+   one AR decode step vs verifying 16/64/256-node trees at batch 1 and 8, and the round's
+   overhead share (tree + commit, outside the two forwards), eager and compiled.
+
+    python benchmarks/gpu_check.py --out /tmp/gpu_check      # -> gpu_check.json + gpu_check.md
+
+Each section watches a shared deadline (--budget-seconds, default 420) and records what it had
+to skip instead of running over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from flashtree import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+DEMO = ROOT / "flashtree" / "assets" / "demo"
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1_000_000.0,
+                max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False)
+DRAFTER_LAYERS = 5  # z-lab's Qwen3-8B DFlash drafter shape: 5 Qwen3 layers, block 16
+MASK_TOKEN = 151669
+
+
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.perf_counter() + seconds
+
+    @property
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+
+DEVICE = "cuda"  # --device cpu runs the same code on the CPU, as a smoke test of the script itself
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[list, float]:
+    """All prompts through one engine (batched up to its max_batch); outputs in prompt order."""
+    t0 = time.perf_counter()
+    reqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished:
+        engine.step()
+    sync()
+    return reqs, time.perf_counter() - t0
+
+
+def engine_for(base: LLMEngine | None, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(device=DEVICE, **kw), share_weights=base)
+
+
+# ---- 1 + 2: the demo pair ------------------------------------------------------------------------
+
+
+def demo_checks(deadline: Deadline, report: dict) -> None:
+    prompts = [[1 + (7 * i + j) % 4000 for j in range(24 + 5 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    common = dict(dtype="float32", max_batch=4, max_model_len=512)
+    base = engine_for(None, method="ar", **common)
+    ref, _ = run_engine(base, prompts, params)
+    ref_ids = [r.output_ids for r in ref]
+    rows = []
+    for method, budget, compile_ in [("dflash", 16, False), ("ddtree", 16, False), ("ddtree", 64, False),
+                                     ("ddtree", "auto", False), ("ar", 1, True), ("dflash", 16, True),
+                                     ("ddtree", 16, True), ("ddtree", 64, True)]:
+        label = f"{method}{'' if method == 'ar' else f' B={budget}'}{' compiled' if compile_ else ''}"
+        if deadline.left < 240:
+            rows.append({"config": label, "skipped": "time"})
+            continue
+        try:
+            t0 = time.perf_counter()
+            eng = engine_for(base, method=method, budget=budget, **({"compile": True} if compile_ else {}), **common)
+            run_engine(eng, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up / capture
+            warm = time.perf_counter() - t0
+            out, wall = run_engine(eng, prompts, params)
+            taus = [r.stats.mean_accept_length for r in out]
+            rows.append({"config": label, "identical_to_ar": [r.output_ids for r in out] == ref_ids,
+                         "tau": sum(taus) / len(taus), "tok_s": sum(len(r.output_ids) for r in out) / wall,
+                         "startup_and_capture_s": warm})
+        except Exception as e:  # a failure is a result here: record it and go on
+            rows.append({"config": label, "error": f"{type(e).__name__}: {e}",
+                         "trace": traceback.format_exc(limit=3)})
+    report["demo"] = rows
+
+
+# ---- 3: Qwen3-8B-shaped random weights -------------------------------------------------------------
+
+
+def write_qwen3(out: Path, c: dict, shards: int = 4) -> float:
+    """A random bf16 Qwen3 checkpoint of shape `c` in the hub's layout (config.json + shards)."""
+    from safetensors.torch import save_file
+
+    h, i, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def rand(*shape, std=0.02):
+        return (torch.randn(*shape, device=DEVICE, generator=g, dtype=torch.bfloat16) * std).cpu()
+
+    names: dict[str, tuple] = {"model.embed_tokens.weight": (c["vocab_size"], h)}
+    for n in range(c["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        names |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                  p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                  p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                  p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                  p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
+                  p + "post_attention_layernorm.weight": (h,)}
+    names["model.norm.weight"] = (h,)
+    if not c.get("tie_word_embeddings"):
+        names["lm_head.weight"] = (c["vocab_size"], h)
+    keys = list(names)
+    per = -(-len(keys) // shards)
+    weight_map, t0 = {}, time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: (torch.ones(names[k], dtype=torch.bfloat16) if len(names[k]) == 1 else rand(*names[k]))
+                for k in keys[s * per:(s + 1) * per]}
+        save_file(part, str(out / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, file)
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "torch_dtype": "bfloat16",
+           "hidden_act": "silu", "attention_bias": False, "eos_token_id": 151645, "bos_token_id": 151643, **c}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return time.perf_counter() - t0
+
+
+def write_drafter(out: Path, c: dict, layers: int) -> None:
+    """A random DFlash drafter of z-lab's shape for target shape `c` (block 16, `layers` layers)."""
+    from flashtree.models.dflash import DFlashArgs, DFlashDrafter, default_target_layer_ids, save_drafter
+
+    args = DFlashArgs(hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+                      num_layers=layers, num_heads=c["num_attention_heads"],
+                      num_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"], rms_norm_eps=1e-6,
+                      block_size=16, target_layer_ids=default_target_layer_ids(c["num_hidden_layers"], layers),
+                      mask_token_id=MASK_TOKEN, num_target_layers=c["num_hidden_layers"], vocab_size=c["vocab_size"],
+                      layer_types=["full_attention"] * layers)
+    with torch.device(DEVICE):
+        drafter = DFlashDrafter(args).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    save_drafter(drafter, out)
+    del drafter
+
+
+def round_rows(target: Path, drafter: Path, plan: list[tuple], deadline: Deadline, dtype: str,
+               prompt_len: int = 256, max_tokens: int = 32, compile_margin: float = 90.0) -> list[dict]:
+    """Per-round stage times for each (compiled, batch, method, budget) of `plan`, sharing weights."""
+    t0 = time.perf_counter()
+    base = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), method="ar", device=DEVICE,
+                                  dtype=dtype, max_batch=max(b for _, b, _, _ in plan), max_model_len=2048,
+                                  stage_timing=True))
+    sync()
+    load = time.perf_counter() - t0
+    vocab = base.target.vocab_size
+    prompts = [[1000 + (13 * i + j) % (vocab - 1000) for j in range(prompt_len)] for i in range(8)]
+    rows = []
+    for compile_, batch, method, budget in plan:
+        label = {"compiled": compile_, "batch": batch, "method": method, "budget": budget, "dtype": dtype}
+        if deadline.left < (compile_margin if compile_ else 30):
+            rows.append({**label, "skipped": "time"})
+            continue
+        try:
+            t0 = time.perf_counter()
+            eng = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), method=method, budget=budget,
+                                         device=DEVICE, dtype=dtype, max_batch=batch, max_model_len=2048,
+                                         stage_timing=True, **({"compile": True} if compile_ else {})),
+                            share_weights=base)
+            run_engine(eng, prompts[:batch], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up / capture
+            warm = time.perf_counter() - t0
+            out, wall = run_engine(eng, prompts[:batch], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            stats = out[0].stats
+            rounds = max(1, stats.rounds)
+            stages = {k: 1000 * v / rounds for k, v in stats.stage_seconds.items() if k != "prefill"}
+            round_ms = sum(stages.values())
+            overhead = stages.get("tree", 0.0) + stages.get("commit", 0.0)
+            rows.append({**label, "round_ms": round_ms, "stage_ms": stages,
+                         "overhead_share": overhead / round_ms if round_ms else None,
+                         "tok_s": sum(len(r.output_ids) for r in out) / wall, "startup_and_capture_s": warm})
+        except Exception as e:  # a failure is a result here: record it and go on
+            rows.append({**label, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=3)})
+    rows.insert(0, {"load_seconds": load})
+    return rows
+
+
+def qwen3_8b_checks(deadline: Deadline, report: dict, workdir: Path) -> None:
+    target, drafter = workdir / "qwen3-8b-random", workdir / "qwen3-8b-dflash-random"
+    report["qwen3_8b"] = section = {"write_seconds": write_qwen3(target, QWEN3_8B)}
+    write_drafter(drafter, QWEN3_8B, DRAFTER_LAYERS)
+    section["checkpoint_gb"] = sum(f.stat().st_size for f in target.glob("*.safetensors")) / 1e9
+    plan = [(c, b, m, budget) for c in (False, True) for b in (1, 8)
+            for m, budget in (("ar", 1), ("ddtree", 16), ("ddtree", 64), ("ddtree", 256))]
+    rows = round_rows(target, drafter, plan, deadline, "bfloat16")
+    section["tp1_load_seconds"] = rows.pop(0)["load_seconds"]
+    section["rounds"] = rows
+
+
+def stage_table(rows: list[dict]) -> list[str]:
+    lines = ["| compiled | batch | method | budget | round ms | draft | tree | verify | commit | overhead | tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = f"| {'yes' if r['compiled'] else 'no'} | {r['batch']} | {r['method']} | {r['budget']} |"
+        if "round_ms" not in r:
+            lines.append(f"{head} {r.get('skipped') or r.get('error')} | | | | | | |")
+            continue
+        s = r["stage_ms"]
+        lines.append(f"{head} {r['round_ms']:.2f} | {s.get('draft', 0):.2f} | {s.get('tree', 0):.2f} | "
+                     f"{s.get('verify', 0):.2f} | {s.get('commit', 0):.2f} | {100 * r['overhead_share']:.1f}% | "
+                     f"{r['tok_s']:.1f} |")
+    return lines
+
+
+# ---- the report ---------------------------------------------------------------------------------------
+
+
+def markdown(report: dict) -> str:
+    where = "GPU-measured" if DEVICE == "cuda" else "a CPU smoke test: these are not GPU numbers"
+    lines = [f"# GPU check ({report['device']}, torch {report['torch']}; {where})", ""]
+    lines += ["## Demo pair, float32, greedy", "", "| config | identical to ar | tau | tok/s | startup+capture s |",
+              "|---|---|---|---|---|"]
+    for r in report.get("demo", []):
+        if "identical_to_ar" in r:
+            lines.append(f"| {r['config']} | {'yes' if r['identical_to_ar'] else 'NO'} | {r['tau']:.2f} | "
+                         f"{r['tok_s']:.0f} | {r['startup_and_capture_s']:.1f} |")
+        else:
+            lines.append(f"| {r['config']} | {r.get('skipped') or r.get('error')} | | | |")
+    q = report.get("qwen3_8b")
+    if q:
+        lines += ["", f"## Qwen3-8B-shaped random bf16 ({q.get('checkpoint_gb', 0):.1f} GB; TP=1 load "
+                  f"{q.get('tp1_load_seconds', float('nan')):.1f} s)", ""] + stage_table(q.get("rounds", []))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
+    ap.add_argument("--budget-seconds", type=float, default=420.0)
+    ap.add_argument("--skip-8b", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script, not a measurement")
+    ap.add_argument("--shrink-8b", action="store_true",
+                    help="a tiny stand-in for the Qwen3-8B shape (smoke-testing section 3 on a CPU)")
+    args = ap.parse_args()
+    global DEVICE, DRAFTER_LAYERS
+    DEVICE = args.device
+    if args.shrink_8b:
+        QWEN3_8B.update(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=64)
+        DRAFTER_LAYERS = 1
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device; this script is for a GPU machine (--device cpu to smoke-test it)")
+    deadline = Deadline(args.budget_seconds)
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke test, not GPU-measured)"
+    report = {"device": name, "torch": torch.__version__}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        demo_checks(deadline, report)
+        if not args.skip_8b:
+            with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
+                qwen3_8b_checks(deadline, report, Path(tmp))
+    finally:
+        report["seconds"] = args.budget_seconds - deadline.left
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+        (out / "gpu_check.md").write_text(markdown(report))
+        print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
