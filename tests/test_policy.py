@@ -332,7 +332,8 @@ def test_deferred_context_equals_full_prefill(tmp_path):
         assert n == runner.cache.lengths[req.slot] == len(ids)
         fresh = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", dtype="float64",
                                        max_model_len=160, max_batch=1, budget=4))
-        fresh.runner.prefill(Request(ids, SamplingParams(), slot=0))
+        fresh.runner.seat(0, None, 0)
+        fresh.runner.prefill(Request(ids, SamplingParams(), slot=0), len(ids))
         for layer in range(runner.draft_cache.k.shape[0]):
             assert torch.allclose(runner.draft_cache.k[layer, req.slot, :n], fresh.runner.draft_cache.k[layer, 0, :n],
                                   atol=1e-9)
