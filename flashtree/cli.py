@@ -126,8 +126,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="HF checkpoint dir or hub id (default: the embedded demo target)")
     p.add_argument("--drafter", help="DFlash drafter dir or hub id (default: the demo drafter)")
     p.add_argument("--method", default="ddtree", help=f"one of {', '.join(METHODS)} (default ddtree)")
-    p.add_argument("--budget", type=parse_budget, default=64,
-                   help="tree nodes per round for ddtree, or 'auto' to pick each round's size from measured cost (default 64)")
+    p.add_argument("--budget", type=parse_budget, default="auto",
+                   help="ddtree: 'auto' (default) picks AR, the chain or a tree size per request and round from "
+                        "measured costs and calibrated acceptance; an integer fixes the tree nodes per round")
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: cuda if available)")
     p.add_argument("--dtype", help="float32, bfloat16, float16, float64 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--compile", action="store_true", help="torch.compile the round (CUDA graphs on cuda); slower start")

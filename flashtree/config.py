@@ -18,8 +18,12 @@ class EngineConfig:
     target: str | None = None  # HF dir or hub id; None = the embedded demo target
     drafter: str | None = None  # z-lab DFlash dir or hub id; None = the demo drafter (demo target only)
     method: str = "ddtree"
-    budget: int | str = 64  # drafted tree nodes per request and round (root not counted), or "auto"
+    # "auto": each round and request, the speculation policy picks a plain AR step, the chain or a
+    # tree of the right size from measured costs and calibrated acceptance (flashtree/engine/policy.py);
+    # an int: that many drafted tree nodes per request and round (root not counted).
+    budget: int | str = "auto"
     max_budget: int = 256  # the largest tree budget="auto" may choose
+    cost_cache: str | None = None  # auto's measured costs: a directory, "off", or None (~/.cache/flashtree)
     device: str | None = None  # None = cuda if available, else cpu
     dtype: str | None = None  # None/auto = bf16 on cuda, float32 on cpu
     max_batch: int = 8  # requests decoded together

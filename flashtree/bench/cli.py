@@ -56,6 +56,10 @@ def register(subparsers) -> None:
     p.add_argument("--no-stage-sync", dest="stage_sync", action="store_false",
                    help="on GPUs, do not synchronise between stages (faster, but stage times blur)")
     p.add_argument("--no-plots", dest="plots", action="store_false")
+    p.add_argument("--policy-grid", action="store_true",
+                   help="throughput of ar, dflash, ddtree at fixed budgets and auto under temperature x "
+                        "concurrency (default T 0,0.7,1 x c 1,4,16, budgets 4..64, 16 prompts of 64 tokens)")
+    p.add_argument("--concurrency", type=_list(int), default=None, help="--policy-grid: requests in flight (default 1,4,16)")
     p.set_defaults(func=bench, method=None, budget=None)
 
 
@@ -71,7 +75,37 @@ def spec_from_args(args: argparse.Namespace):
                      cost_context=args.cost_context, stage_sync=args.stage_sync)
 
 
+def policy_grid(args: argparse.Namespace) -> None:
+    from flashtree.bench import policy_grid as pg
+    from flashtree.bench.report import environment, write_json
+
+    if args.budgets and "auto" in args.budgets:
+        raise FlashtreeError("--policy-grid always runs auto; give --budgets as the fixed sizes to compare with")
+    if args.methods:
+        raise FlashtreeError("--policy-grid runs every method; drop --methods")
+    defaults = pg.PolicyGridSpec()
+    spec = pg.PolicyGridSpec(
+        target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype,
+        temperatures=args.temperatures or defaults.temperatures, concurrency=args.concurrency or defaults.concurrency,
+        budgets=args.budgets or defaults.budgets, suites=args.suites or defaults.suites,
+        num_prompts=args.num_prompts or defaults.num_prompts, max_tokens=args.max_tokens or defaults.max_tokens,
+        seed=args.seed)
+    out = Path(args.out if args.out != "runs/bench" else "runs/bench/policy")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FlashtreeError(f"cannot create --out {out}: {e.strerror}") from None
+    result = pg.run_policy_grid(spec)
+    report = pg.markdown(result)
+    print(report)
+    (out / "results.md").write_text(report + "\n")
+    write_json(pg.to_json(result, environment(result["device"], result["dtype"]), sys.argv[1:]), out / "results.json")
+    print(f"wrote results.json, results.md to {out}", file=sys.stderr)
+
+
 def bench(args: argparse.Namespace) -> None:
+    if args.policy_grid:
+        return policy_grid(args)
     from flashtree.bench.grid import run_bench
     from flashtree.bench.report import environment, markdown_report, to_json, write_json
 

@@ -58,13 +58,14 @@ class RequestOutput:
 
 
 class LLM:
-    """`LLM(target=..., drafter=..., method="ddtree", budget=64).generate(prompts, params)`.
+    """`LLM(target=..., drafter=..., method="ddtree", budget="auto").generate(prompts, params)`.
 
-    With no target, the embedded demo pair is used.
+    With no target, the embedded demo pair is used. budget="auto" (the default) lets the
+    speculation policy choose AR, the chain or a tree size per request and round; an int fixes it.
     """
 
     def __init__(self, target: str | None = None, drafter: str | None = None, method: str = "ddtree",
-                 budget: int = 64, device: str | None = None, dtype: str | None = None, **kwargs) -> None:
+                 budget: int | str = "auto", device: str | None = None, dtype: str | None = None, **kwargs) -> None:
         self.config = EngineConfig(target=target, drafter=drafter, method=method, budget=budget,
                                    device=device, dtype=dtype, **kwargs)
         self.engine = LLMEngine(self.config)

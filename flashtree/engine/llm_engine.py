@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,6 +44,9 @@ class RoundInfo:
     batch_size: int
     seconds: float  # compile time (the first rounds of a compiled engine) left out
     accept_lengths: list[int]
+    modes: list[str] = field(default_factory=list)  # per request: the policy's choice (ar, chain, tree)
+    draft_sizes: list[int] = field(default_factory=list)  # drafted nodes verified per request
+    predicted_accepts: list[float] = field(default_factory=list)  # expected accepted drafted tokens
     compile_seconds: float = 0.0  # spent compiling so far in this engine (EngineConfig.compile)
 
 
@@ -282,11 +285,19 @@ class LLMEngine:
         t0, c0 = time.perf_counter(), self.runner.compile_seconds
         emitted, seconds, logprobs = self.runner.step(running)
         elapsed = time.perf_counter() - t0 - (self.runner.compile_seconds - c0)
-        self.last_round = RoundInfo(len(running), elapsed, [len(e) for e in emitted], self.runner.compile_seconds)
-        for req, tokens, lps in zip(running, emitted, logprobs):
-            req.stats.accept_lengths.append(len(tokens))
+        plan = self.runner.last_plan
+        modes = [plan.label(i) for i in range(len(running))]
+        sizes = [plan.size(i) for i in range(len(running))]
+        self.last_round = RoundInfo(len(running), elapsed, [len(e) for e in emitted], modes, sizes,
+                                    list(plan.predicted), self.runner.compile_seconds)
+        for i, (req, tokens, lps) in enumerate(zip(running, emitted, logprobs)):
+            stats = req.stats
+            stats.accept_lengths.append(len(tokens))
+            stats.modes.append(modes[i])
+            stats.draft_sizes.append(sizes[i])
+            stats.predicted_accepts.append(plan.predicted[i])
             for name, s in seconds.items():
-                req.stats.stage_seconds[name] += s
+                stats.stage_seconds[name] += s
             outputs.append(self._emit(req, tokens, lps))
         return outputs
 

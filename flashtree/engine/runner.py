@@ -4,10 +4,13 @@ Stages as timed: draft = drafter forward + LM head + appending the accepted node
 the drafter's context; tree = building the tree; verify = target forward (mask included) +
 per-node token choice; commit = accept walk + the round's one host read + KV compaction.
 
-The round touches the host twice: on the way in, one non-blocking copy of staged inputs (slots,
-starts, roots); on the way out, one `.tolist()` of accepted counts and tokens (plus, for
-budget="auto", the expected acceptance that sizes the next round). Everything between stays on
-the device. The runner owns every cache length: it commits the target and drafter caches.
+The round touches the host twice: on the way in, non-blocking copies of staged inputs (slots,
+starts, roots; the plan's index lists); on the way out, one `.tolist()` of accepted counts and
+tokens (plus, for budget="auto", the draft data the speculation policy plans the next round
+with, and any logprobs). Everything between stays on the device. The runner owns every cache
+length: it commits the target and drafter caches. With budget="auto" it asks the policy
+(flashtree/engine/policy.py) which rows draft and how each round; the drafter runs on those rows
+only, and the others' drafter context is held back (flashtree/engine/draft_context.py).
 """
 
 from __future__ import annotations
@@ -17,16 +20,20 @@ import inspect
 import time
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from flashtree.config import EngineConfig
 from flashtree.cache import RecurrentState
-from flashtree.engine.budget import AutoBudget
+from flashtree.engine.cost_model import DEFAULT_SECONDS, save, startup
 from flashtree.engine.compiled import Compiler
+from flashtree.engine.draft_context import DeferredContext
 from flashtree.engine.logprobs import pack, unpack
+from flashtree.engine.policy import AR, Policy, RoundPlan, fixed_plan
 from flashtree.engine.sequence import Request, TokenLogprob
 from flashtree.engine.shapes import batch_bucket, budget_bucket, key_bucket, prefill_chunks
+from flashtree.engine.staging import Staging
 from flashtree.errors import FlashtreeError
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
@@ -35,8 +42,12 @@ from flashtree.models.transformer import ForwardOutput
 from flashtree.sampler import SamplingBatch, SamplingStage, pick, processed_logprobs
 from flashtree.sampling import SamplingParams
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
-from flashtree.tree.budget import expected_accepts, truncate
 from flashtree.tree.markov import build_markov_chain, build_markov_tree
+from flashtree.tree.mix import cat_rows, pad_spec, place_rows, root_only
+from flashtree.tree.value import SPINE, depth_mass, node_kinds, node_reach, path_reach, value_curve, walked_mass
+
+SAVE_AFTER = 256  # rounds of online refinement after which the cost cache is rewritten (once)
+AR_REFINE_EVERY = 8  # plain AR rounds are timed into the cost model one in this many
 
 
 class StageClock:
@@ -88,10 +99,10 @@ class ModelRunner:
     """Runs prefill chunks and rounds over the engine's caches, which it owns (lengths included).
 
     With static shapes (on with compile, or EngineConfig.static_shapes) every forward is padded to
-    a bucket (flashtree.engine.shapes): padded batch rows use a dummy slot past max_batch whose
-    results are dropped. With compile, the target forward (prefill chunks and verify windows), the
-    drafter forward and context append, the tree build and the accept walk run through
-    torch.compile (flashtree.engine.compiled).
+    a bucket (flashtree.engine.shapes): a fixed-method round's batch is padded with greedy rows on
+    a dummy slot past max_batch, whose results are dropped. With compile, the target forward
+    (prefill pieces and verify windows), the drafter forward and context append, the tree build
+    and the accept walk run through torch.compile (flashtree.engine.compiled).
     """
 
     def __init__(self, config: EngineConfig, target, drafter: DFlashDrafter | None, device: torch.device) -> None:
@@ -107,12 +118,13 @@ class ModelRunner:
         self.max_window = 1 + (config.tree_budget if self.method == "ddtree" else self.block_size - 1)
         cache_len = config.max_model_len + self.max_window
         self.max_rows = batch_bucket(config.max_batch) if self.static else config.max_batch
-        self.dummy_slot = config.max_batch  # padded batch rows write here; nothing reads it back
-        slots = config.max_batch + (1 if self.static else 0)
+        slots = config.max_batch + (1 if self.static else 0)  # the last one: padded rows' dummy slot
+        self.pads = [padding_request(config.max_batch) for _ in range(self.max_rows - 1)] if self.static else []
         self.cache = target.new_cache(slots, cache_len)
         self.draft_cache = drafter.new_cache(slots, cache_len) if drafter is not None else None
         self.inputs = InputStage(self.max_rows, device)
         self.sampling_inputs = SamplingStage(self.max_rows, device)
+        self.staging = Staging(device)
         self.compiler = Compiler(device, config.compile)
         self.compiler.keep([t for c in (self.cache, self.draft_cache) if c is not None
                             for t in vars(c).values() if isinstance(t, Tensor) and t.numel()])
@@ -127,18 +139,30 @@ class ModelRunner:
         self.run_walk = self.compiler(accept_walk)
         sync = config.stage_timing if config.stage_timing is not None else device.type != "cuda"
         self.clock = StageClock(device, sync, self.compiler)
-        self.auto = None
+        self.timed_stages = sync or device.type == "cpu"  # stage times are real, not launch times
+        self.policy: Policy | None = None
+        self.deferred: DeferredContext | None = None
+        self.owner: list[str | None] = [None] * slots
         if self.method == "ddtree" and config.budget == "auto":
-            self.auto = AutoBudget.measure(target, drafter, self.cache, self.draft_cache, config.max_budget)
-            self.auto_columns = torch.tensor(self.auto.candidates, device=device) - 1
-        # budget="auto" sizes each round from the previous round's draft, read with that round's results.
-        self.expected: dict[str, list[float]] = {}  # request id -> expected accepts at each auto candidate
+            # Tensor-parallel ranks time the target together, so each must run the same points:
+            # no time budget and no cache there (rank 0's tables are then shared: parallel/workers.py).
+            tp = config.tensor_parallel_size > 1
+            cost, self.cost_path, self.cost_key = startup(target, drafter, self.cache, self.draft_cache,
+                                                          config.max_batch, self.max_window, config.max_budget,
+                                                          "off" if tp else config.cost_cache,
+                                                          float("inf") if tp else DEFAULT_SECONDS)
+            self.policy = Policy(cost, config.max_batch, self.block_size, config.max_budget, config.max_round_tokens)
+            w = drafter.fc.weight
+            self.deferred = DeferredContext(config.max_batch, w.shape[1], w.dtype, device)
+        self.last_plan: RoundPlan | None = None
+        self._draft_pass = 0.0
+        self._last_end: float | None = None  # when the previous round returned (the engine's time between counts)
         self.prompt_logits: dict[int, Tensor] = {}  # slot -> its complete prompt's last logits, until start_samples
         self.saved_states: dict[int, RecurrentState] = {}  # prefix reuse on a hybrid target: key -> state
 
     @property
     def compile_seconds(self) -> float:
-        """Seconds this process spent compiling buckets so far (0 without compile)."""
+        """Seconds this process spent compiling graphs so far (0 without compile)."""
         return self.compiler.seconds
 
     def round_budget(self, n: int) -> int:
@@ -160,6 +184,13 @@ class ModelRunner:
         """Start a slot empty (source None), or holding source's first `length` committed rows in
         the target and drafter caches (a shared prefix; a hybrid target also takes the recurrent
         state saved after them under `state_key`, unless source holds exactly `length` tokens)."""
+        if self.deferred is not None:
+            if source is not None and self.deferred.counts[source]:  # the source's drafter context must be whole
+                n = self.deferred.counts[source]
+                self.append_held({n: [source]}, {f"held{n}": torch.tensor([source], device=self.device),
+                                                 f"held{n}_starts": torch.tensor([self.draft_cache.lengths[source]],
+                                                                                 device=self.device)})
+            self.deferred.reset(slot)
         if source is None:
             self.cache.set_length(slot, 0)
             if self.drafter is not None:
@@ -208,6 +239,29 @@ class ModelRunner:
         ctx = ForwardContext.prefill(self.cache, batch, ids.shape[1], key_len)
         return ctx, self.target(ids, ctx, self.feature_layers, last_only=not all_logits)
 
+    def _verify(self, batch: SlotBatch, spec: TreeSpec, key_len: int) -> tuple[ForwardContext, ForwardOutput]:
+        ctx = ForwardContext.verify(self.cache, batch, spec, key_len)
+        return ctx, self.target(spec.tokens.clamp(min=0), ctx, self.feature_layers)
+
+    def _draft(self, batch: SlotBatch, roots: Tensor, depth: int, key_len: int) -> tuple[Tensor, Tensor]:
+        """Drafter hidden states and draft logits [R, depth, *] of the block [root, MASK x (L-1)]."""
+        block = torch.full((roots.shape[0], self.block_size), self.drafter.args.mask_token_id, device=roots.device)
+        block[:, 0] = roots
+        ctx = ForwardContext.block(self.draft_cache, batch, self.block_size, key_len)
+        # A tree of b nodes is at most b deep: score only the depths the window can use.
+        hidden = self.drafter(self.target.embed_tokens(block), ctx)[:, 1 : 1 + depth]
+        if isinstance(self.drafter, DFlash2Drafter):
+            return hidden, self.drafter.logits(hidden, self.target.lm_head)
+        return hidden, self.target.lm_head(hidden)
+
+    def _append(self, batch: SlotBatch, features: Tensor, path: Tensor | None, key_len: int) -> ForwardContext:
+        """Write drafter context K/V for the window's nodes on `path` (all of them when None)."""
+        if path is not None:
+            features = gather_nodes(features, path)
+        ctx = ForwardContext.block(self.draft_cache, batch, features.shape[1], key_len)
+        self.drafter.add_context(ctx, features)
+        return ctx
+
     def score_prompt(self, req: Request, logits: Tensor, start: int, end: int) -> None:
         """Prompt logprobs: logits [1, n, V] at positions start.. score prompt tokens start+1..
         under the target's plain distribution (log-softmax): no prompt token was sampled, so no
@@ -247,94 +301,211 @@ class ModelRunner:
     def step(self, reqs: list[Request]) -> tuple[list[list[int]], dict[str, float], list[list[TokenLogprob] | None]]:
         """One round for every request in `reqs`: each one's emitted tokens, the stage times, and
         the emitted tokens' logprobs for requests that keep them (else None)."""
+        t0 = time.perf_counter()
         self.clock.seconds = {}
+        real = len(reqs)
+        if self.static and self.policy is None:  # pad the batch to its bucket (greedy rows, dummy slot)
+            reqs = reqs + self.pads[: batch_bucket(real) - real]
         slots = [r.slot for r in reqs]
-        starts = [self.cache.lengths[s] for s in slots]
-        roots = [r.bonus for r in reqs]
-        params, seeds = [r.params for r in reqs], [r.seed for r in reqs]
-        if self.static:  # pad the batch to its bucket with greedy rows on the dummy slot
-            pad = batch_bucket(len(reqs)) - len(reqs)
-            slots, starts, roots = slots + [self.dummy_slot] * pad, starts + [0] * pad, roots + [0] * pad
-            params, seeds = params + [GREEDY] * pad, seeds + [0] * pad
-        batch, root_tokens = self.inputs.upload(slots, starts, roots)
-        sampling = SamplingBatch.build(params, seeds, self.device, self.sampling_inputs)
-        spec, plan = self.draft(batch, root_tokens, reqs)
+        plan = self.plan(reqs)
+        batch, roots = self.inputs.upload(slots, [self.cache.lengths[s] for s in slots], [r.bonus for r in reqs])
+        sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device, self.sampling_inputs)
+        staged, flush = self.stage(plan, reqs)
+        if flush:
+            with self.clock.stage("draft"):
+                self.append_held(flush, staged)
+        spec, values = self.draft(batch, roots, plan, staged)
         with self.clock.stage("verify"):
             ctx, out = self.run_verify(batch, spec, self.key_len(batch, spec.num_nodes))
             picks = pick(out.logits, sampling, ctx.positions + 1, spec.depth_bound + 1)
         with self.clock.stage("commit"):
             walk = self.run_walk(spec, picks)
+            extras = self.round_extras(plan, values, walk, staged, out.logits, picks)
             scores = self.round_logprobs(out.logits, walk.path, walk.tokens, reqs, sampling)
-            counts, emitted, logprobs = self.read_round(walk.num_nodes, walk.tokens, reqs, plan, scores)
+            counts, emitted, logprobs, host_extras = self.read_round(walk.num_nodes, walk.tokens, reqs, extras, scores)
+            counts, emitted, logprobs = counts[:real], emitted[:real], logprobs[:real]  # padding rows end here
             self.cache.commit(ctx, counts, walk.path, walk.num_nodes)
         if self.drafter is not None:
             # Projecting the accepted nodes' features into drafter K/V is drafter model work.
             with self.clock.stage("draft"):
-                dctx = self.run_append(batch, out.features, walk.path, self.key_len(batch, 0))
-                self.draft_cache.commit(dctx, counts)
+                self.extend_context(plan, staged, batch, out.features, walk, counts, slots)
+        self.last_plan = plan
+        if self.policy is not None:
+            # A round's cost includes the engine's work between rounds (emitting, scheduling):
+            # throughput is tokens over wall time. A long gap is an idle engine, not work.
+            end = time.perf_counter()
+            gap = t0 - self._last_end if self._last_end is not None else 0.0
+            self.learn(plan, slots, counts, host_extras, end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0))
+            self._last_end = time.perf_counter()
         return emitted, dict(self.clock.seconds), logprobs
 
-    def _verify(self, batch: SlotBatch, spec: TreeSpec, key_len: int) -> tuple[ForwardContext, ForwardOutput]:
-        ctx = ForwardContext.verify(self.cache, batch, spec, key_len)
-        return ctx, self.target(spec.tokens.clamp(min=0), ctx, self.feature_layers)
+    # ---- the plan: who drafts, and how ----------------------------------------------------
 
-    def _draft(self, batch: SlotBatch, roots: Tensor, key_len: int) -> tuple[Tensor, Tensor]:
-        """Drafter hidden states and draft logits [R, L-1, *] of the block [root, MASK x (L-1)]."""
-        block = torch.full((roots.shape[0], self.block_size), self.drafter.args.mask_token_id, device=roots.device)
-        block[:, 0] = roots
-        ctx = ForwardContext.block(self.draft_cache, batch, self.block_size, key_len)
-        hidden = self.drafter(self.target.embed_tokens(block), ctx)[:, 1:]
-        if isinstance(self.drafter, DFlash2Drafter):
-            return hidden, self.drafter.logits(hidden, self.target.lm_head)
-        return hidden, self.target.lm_head(hidden)
+    def plan(self, reqs: list[Request]) -> RoundPlan:
+        for r in reqs:
+            if self.owner[r.slot] != r.request_id:  # a new request in this slot: nothing held back
+                self.owner[r.slot] = r.request_id
+                if self.deferred is not None:
+                    self.deferred.reset(r.slot)
+        if self.policy is not None:
+            return self.policy.plan(reqs)
+        method = self.method if self.drafter is not None else "ar"
+        return fixed_plan(len(reqs), method, self.block_size, self.round_budget(len(reqs)))
 
-    def _append(self, batch: SlotBatch, features: Tensor, path: Tensor | None, key_len: int) -> ForwardContext:
-        """Write drafter context K/V for the window's nodes on `path` (all of them when None)."""
-        if path is not None:
-            features = gather_nodes(features, path)
-        ctx = ForwardContext.block(self.draft_cache, batch, features.shape[1], key_len)
-        self.drafter.add_context(ctx, features)
-        return ctx
+    def stage(self, plan: RoundPlan, reqs: list[Request]) -> tuple[dict[str, Tensor], dict[int, list[int]]]:
+        """Upload the plan's index lists (and the drafting rows' calibration) in one copy."""
+        slots = [r.slot for r in reqs]
+        longs: dict[str, list[int]] = {}
+        floats = {}
+        rows = plan.draft_rows
+        if plan.drafting and rows != list(range(len(slots))):
+            longs["draft_rows"] = rows
+            longs["draft_slots"] = [slots[i] for i in rows]
+            longs["draft_starts"] = [self.cache.lengths[slots[i]] for i in rows]
+        flush: dict[int, list[int]] = {}
+        if self.deferred is not None:
+            idle = [i for i, m in enumerate(plan.modes) if m == AR]
+            flush = self.deferred.groups(self.deferred.due([slots[i] for i in rows], [slots[i] for i in idle]))
+            for n, group in flush.items():
+                longs[f"held{n}"] = group
+                longs[f"held{n}_starts"] = [self.draft_cache.lengths[s] for s in group]
+            if idle and len(idle) < len(slots):  # all idle: the batch's own slot tensor serves
+                longs["idle_rows"] = idle
+                longs["idle_slots"] = [slots[i] for i in idle]
+        if plan.learn and plan.drafting:
+            cols = self.policy.curve_columns(plan)
+            if cols:
+                longs["curve_cols"] = [int(b) - 1 for b in self.policy.grid[:cols]]
+            params = [reqs[i].params for i in rows]
+            longs["observe"] = [observation(p) for p in params]
+            if any(observation(p) == BY_TEMPERATURE for p in params):
+                floats["inv_temp"] = np.array([0.0 if p.greedy else 1.0 / p.temperature for p in params])
+        return self.staging.upload(longs, floats), flush
 
-    def draft(self, batch: SlotBatch, roots: Tensor, reqs: list[Request]) -> tuple[TreeSpec, AutoPlan | None]:
-        if self.drafter is None:
+    def append_held(self, flush: dict[int, list[int]], staged: dict[str, Tensor]) -> None:
+        """Give the drafter the context it was spared while these slots did not draft."""
+        for n, group in flush.items():
+            batch = SlotBatch(group, [self.draft_cache.lengths[s] for s in group], staged[f"held{n}"],
+                              staged[f"held{n}_starts"])
+            ctx = ForwardContext.block(self.draft_cache, batch, n)
+            self.drafter.add_context(ctx, self.deferred.held(batch.slots, n))
+            self.draft_cache.commit(ctx, [n] * len(group))
+            self.deferred.emptied(group, batch.slots)
+
+    def _draft_batch(self, batch: SlotBatch, plan: RoundPlan, staged: dict[str, Tensor]) -> SlotBatch:
+        if "draft_rows" not in staged:
+            return batch
+        slots = [batch.slot_list[i] for i in plan.draft_rows]
+        return SlotBatch(slots, [batch.start_list[i] for i in plan.draft_rows], staged["draft_slots"],
+                         staged["draft_starts"])
+
+    def draft(self, batch: SlotBatch, roots: Tensor, plan: RoundPlan, staged: dict[str, Tensor]
+              ) -> tuple[TreeSpec, dict | None]:
+        """The round's window: drafted rows from the drafter (only those), the rest a lone root."""
+        if not plan.drafting:
             return chain_spec(roots[:, None]), None
+        sub = self._draft_batch(batch, plan, staged)
+        sub_roots = roots.index_select(0, staged["draft_rows"]) if "draft_rows" in staged else roots
         with self.clock.stage("draft"):
-            hidden, logits = self.run_draft(batch, roots, self.key_len(batch, 0))
-            markov = self.drafter.transitions(hidden, logits, roots) if self.use_selector else None
+            t0 = time.perf_counter()
+            hidden, logits = self.run_draft(sub, sub_roots, plan.depth, self.key_len(sub, 0))
+            # DFlash2's selector: each depth's candidates rescored given the parent's token.
+            markov = self.drafter.transitions(hidden, logits, sub_roots) if self.use_selector else None
+            if self.clock.sync:
+                torch.cuda.synchronize()
+            self._draft_pass = time.perf_counter() - t0
         with self.clock.stage("tree"):
-            if self.method == "dflash":
+            kt = plan.tree_rows
+            if kt == 0 and plan.window == self.block_size and not plan.learn and "draft_rows" not in staged:
+                # dflash: the chain fast path (the greedy path under the selector's draft)
                 return (build_markov_chain(roots, *markov) if markov else build_chain(roots, logits)), None
-            cap = self.round_budget(batch.size)
+            parts = []
+            if kt:
+                if markov:  # the exact top-budget tree under the selector's Markov draft
+                    parts.append(build_markov_tree(sub_roots[:kt], *(m[:kt] for m in markov), plan.budget))
+                else:
+                    parts.append(self.build(sub_roots[:kt], logits[:kt], plan.budget))
+            if sub.size > kt:
+                # Chain rows in a mixed round take the unary argmax chain (scored, so it mixes);
+                # still lossless, only the selector's rescoring is not applied to them.
+                parts.append(scored_chain(sub_roots[kt:], logits[kt:, : plan.chain]))
+            if len(parts) == 1 and "draft_rows" not in staged and not plan.learn:
+                return parts[0], None
+            part = cat_rows([pad_spec(p, plan.window) for p in parts])
+            values = self.node_values(part, logits, staged) if plan.learn else None
+            if "draft_rows" in staged:
+                return place_rows(root_only(roots, plan.window), staged["draft_rows"], part), values
+            return part, values
 
-            def tree(budget: int) -> TreeSpec:  # exact top-budget under the selector's draft, or the marginals'
-                spec = build_markov_tree(roots, *markov, budget) if markov else self.run_tree(roots, logits, budget)
-                if self.static:
-                    # The builder may stop early (fewer depths than drafted); the static bound keeps
-                    # mask and walk shapes fixed. Any bound >= the true depth gives the same result.
-                    spec = dataclasses.replace(spec, max_depth=min(logits.shape[1], budget))
-                return spec
+    def build(self, roots: Tensor, logits: Tensor, budget: int) -> TreeSpec:
+        spec = self.run_tree(roots, logits, budget)
+        if self.static:
+            # The builder may stop early (fewer depths than drafted); the static bound keeps mask
+            # and walk shapes fixed. Any bound >= the true depth gives the same result.
+            spec = dataclasses.replace(spec, max_depth=min(logits.shape[1], budget))
+        return spec
 
-            if self.auto is None:
-                return tree(cap), None
-            # The full-size tree's expected acceptance, read with this round's results, sizes the
-            # next round; this round uses the size the previous round's draft chose.
-            plan = AutoPlan(self.auto, cap, self.auto_budget(reqs, cap))
-            full = tree(cap)
-            e = expected_accepts(full)  # [R, cap]: column b-1 is the top-b tree
-            plan.expected = torch.cat([e[:, self.auto_columns[: len(plan.candidates)]],
-                                       e[:, plan.budget - 1 : plan.budget]], dim=1)
-            return truncate(full, plan.budget), plan
+    # ---- what the policy learns from ------------------------------------------------------
 
-    def auto_budget(self, reqs: list[Request], cap: int) -> int:
-        """This round's budget from the expectations the previous round read (cap before any)."""
-        known = [self.expected[r.request_id] for r in reqs if r.request_id in self.expected]
-        if not known:
-            return cap
-        columns = min(len(e) for e in known)
-        mean = [sum(e[c] for e in known) / len(known) for c in range(columns)]
-        gains = [mean[c] * len(reqs) for c in range(columns)]  # requests without a record count as the mean
-        return self.auto.choose_gains(gains, len(reqs), cap)
+    def node_values(self, part: TreeSpec, logits: Tensor, staged: dict[str, Tensor]) -> dict:
+        """Per drafted row, raw (drafter's own) data for the policy: node kinds and reach, the
+        reach summed by depth and kind, the spine's reach per depth, and for tree rows, per grid
+        size b, the spine nodes and the branch reach of the top-b tree."""
+        kinds = node_kinds(part)
+        raw = node_reach(part)
+        lp = logits.float()
+        out = {"part": part, "kinds": kinds, "mass": depth_mass(part, kinds, raw, logits.shape[1]),
+               "spine": (lp.amax(-1) - torch.logsumexp(lp, -1)).cumsum(1).exp()}
+        if "curve_cols" in staged:
+            cols = staged["curve_cols"][None, :].expand(part.batch_size, -1)
+            spine = value_curve(part, ((kinds == SPINE) & (raw > 0)).float()).gather(1, cols)
+            branch = value_curve(part, torch.where(kinds == SPINE, 0.0, raw)).gather(1, cols)
+            out["tree"] = torch.cat([spine, branch], 1)
+        return out
+
+    def round_extras(self, plan: RoundPlan, values: dict | None, walk, staged: dict[str, Tensor], logits: Tensor,
+                     picks: Tensor) -> Tensor | None:
+        """[drafting, 2 * cols + 5 * depth] floats for the policy, read with the round: the tree data
+        at the grid columns, the spine reach per depth, and per depth and kind the nodes the
+        drafter expected the walk to accept and the nodes it did (see `observation`)."""
+        if values is None:
+            return None
+        part, kinds = values["part"], values["kinds"]
+        depth = values["mass"].shape[1]
+        if "draft_rows" in staged:
+            rows = staged["draft_rows"]
+            path, logits, picks = walk.path.index_select(0, rows), logits.index_select(0, rows), picks.index_select(0, rows)
+        else:
+            path = walk.path
+        R, N = part.tokens.shape
+        parent = part.parents.expand(R, N).clamp(min=0)
+        token = part.tokens.clamp(min=0)
+        edge = torch.where(picks.gather(1, parent) == part.tokens, 0.0, float("-inf"))  # greedy: the argmax or not
+        if "inv_temp" in staged:  # sampled rows: the chance the target samples the node's token
+            x = logits.float()
+            x = (x - x.amax(-1, keepdim=True)) * staged["inv_temp"].view(-1, 1, 1)
+            lp = x.flatten(1).gather(1, parent * x.shape[-1] + token) - torch.logsumexp(x, -1).gather(1, parent)
+            edge = torch.where(staged["observe"][:, None] == BY_TEMPERATURE, lp, edge)
+        drafted = (part.tokens >= 0) & (torch.arange(N, device=edge.device) > 0)
+        reach = torch.where(drafted, path_reach(part, edge).exp(), 0.0)
+        expected = depth_mass(part, kinds, reach, depth)
+        walked = walked_mass(part, kinds, path, depth)
+        obs = torch.where((staged["observe"] == BY_WALK).view(-1, 1, 1), walked, expected)
+        parts = [values["tree"]] if "tree" in values else []
+        parts += [values["spine"], values["mass"].flatten(1), obs.flatten(1)]
+        return torch.cat(parts, 1)
+
+    def learn(self, plan: RoundPlan, slots: list[int], counts: list[int], extras, seconds: float) -> None:
+        self.policy.observe(plan, slots, extras, [c - 1 for c in counts])
+        if not plan.drafting and self.policy.rounds % AR_REFINE_EVERY:
+            return  # AR rounds repeat one shape: a sample of them keeps the model current
+        s = self.clock.seconds
+        stages = {"verify": s.get("verify", 0.0), "draft_pass": self._draft_pass, "tree": s.get("tree", 0.0)}
+        cost = self.policy.cost
+        cost.refine(len(slots), plan.window, plan.drafting, plan.depth, plan.tree_rows, plan.budget,
+                    stages if self.timed_stages else None, seconds)
+        if cost.refined == SAVE_AFTER:  # keep what this run learned for the next start
+            save(self.cost_path, self.cost_key, cost)
 
     def round_logprobs(self, logits: Tensor, path: Tensor, tokens: Tensor, reqs: list[Request],
                        sampling: SamplingBatch) -> Tensor | None:
@@ -346,53 +517,77 @@ class ModelRunner:
         k = max(r.params.logprobs or 0 for r in keep)
         return pack(processed_logprobs(gather_nodes(logits, path), sampling), tokens, k).flatten(1)
 
-    def read_round(self, num_nodes: Tensor, tokens: Tensor, reqs: list[Request], plan: AutoPlan | None,
-                   scores: Tensor | None = None) -> tuple[list[int], list[list[int]], list[list[TokenLogprob] | None]]:
+    def read_round(self, num_nodes: Tensor, tokens: Tensor, reqs: list[Request], extras: Tensor | None = None,
+                   scores: Tensor | None = None
+                   ) -> tuple[list[int], list[list[int]], list[list[TokenLogprob] | None], np.ndarray | None]:
         """The round's one device-to-host read: accepted counts and tokens, and riding along in
-        float64 (which holds every token id exactly) auto's expectations and the logprobs. Only
-        the real rows are read (padding rows of a batch bucket follow them)."""
-        r = len(reqs)
-        packed = torch.cat([num_nodes[:r, None], tokens[:r]], dim=1)
-        extra = [t[:r] for t in (plan.expected if plan is not None else None, scores) if t is not None]
-        if not extra:
+        float64 (which holds every token id exactly) the policy's floats and the logprobs."""
+        packed = torch.cat([num_nodes[:, None], tokens], dim=1)
+        R, w = packed.shape
+        if extras is None and scores is None:
             host = packed.tolist()
             rest = [[] for _ in host]
+            more = None
         else:
-            rows = torch.cat([packed.double(), *(t.double() for t in extra)], dim=1).tolist()
-            w = packed.shape[1]
+            parts = [packed.double() if scores is None else torch.cat([packed.double(), scores.double()], 1)]
+            flat = torch.cat([parts[0].flatten()] + ([extras.flatten().double()] if extras is not None else [])).tolist()
+            width = parts[0].shape[1]
+            rows = [flat[r * width : (r + 1) * width] for r in range(R)]
             host = [[int(x) for x in row[:w]] for row in rows]
             rest = [row[w:] for row in rows]
+            more = np.array(flat[R * width :]).reshape(tuple(extras.shape)) if extras is not None else None
         counts = [row[0] for row in host]
         emitted = [row[1 : 1 + row[0]] for row in host]
-        if plan is not None:
-            e = plan.expected.shape[1]
-            self.observe(plan, counts, [row[:e] for row in rest], reqs)
-            rest = [row[e:] for row in rest]
         logprobs: list[list[TokenLogprob] | None] = [None] * len(reqs)
         if scores is not None:
             width = (scores.shape[1] // tokens.shape[1] - 1) // 2
             logprobs = [unpack(row, toks, r.params.logprobs or 0, width) if r.logprobs is not None else None
                         for r, row, toks in zip(reqs, rest, emitted)]
-        return counts, emitted, logprobs
+        return counts, emitted, logprobs, more
 
-    def observe(self, plan: AutoPlan, counts: list[int], expected: list[list[float]], reqs: list[Request]) -> None:
-        predicted = sum(e[plan.used] for e in expected)
-        self.auto.observe(predicted, sum(counts) - len(counts))
-        live = {r.request_id for r in reqs}
-        self.expected = {k: v for k, v in self.expected.items() if k in live}
-        for req, e in zip(reqs, expected):
-            self.expected[req.request_id] = e[: len(plan.candidates)]
+    def extend_context(self, plan: RoundPlan, staged: dict[str, Tensor], batch: SlotBatch, features: Tensor,
+                       walk, counts: list[int], slots: list[int]) -> None:
+        """The accepted nodes' features into the drafter's context: appended now for rows that
+        drafted, held back (DeferredContext) for rows that took a plain AR step."""
+        if plan.drafting:
+            if "draft_rows" in staged:
+                rows = staged["draft_rows"]
+                sub = self._draft_batch(batch, plan, staged)
+                feats, path = features.index_select(0, rows), walk.path.index_select(0, rows)
+                kept = [counts[i] for i in plan.draft_rows]
+            else:
+                sub, feats, path, kept = batch, features, walk.path, counts
+            dctx = self.run_append(sub, feats, path, self.key_len(sub, 0))
+            self.draft_cache.commit(dctx, kept)  # rows past len(kept) pad the batch: dropped
+        if self.deferred is not None and AR in plan.modes:
+            if "idle_rows" in staged:
+                idle = [slots[i] for i, m in enumerate(plan.modes) if m == AR]
+                self.deferred.park(idle, staged["idle_slots"], features.index_select(0, staged["idle_rows"])[:, 0])
+            else:
+                self.deferred.park(slots, batch.slots, features[:, 0])
 
 
-class AutoPlan:
-    """One auto-sized round: its budget, and the expected accepts it reads back: one column per
-    candidate budget <= cap, then the used budget's (for calibration)."""
+BY_ARGMAX, BY_TEMPERATURE, BY_WALK = 0, 1, 2
 
-    def __init__(self, auto: AutoBudget, cap: int, budget: int) -> None:
-        self.budget = budget
-        self.candidates = [b for b in auto.candidates if b <= cap]
-        self.used = len(self.candidates)
-        self.expected: Tensor | None = None  # [R, len(candidates) + 1]
+
+def observation(params) -> int:
+    """How a drafted row's accepted nodes are counted for calibration: greedy rows and
+    temperature-only rows by each node's exact chance of acceptance given the target's logits
+    (the argmax matches, or the sampled token's probability, multiplied down the path: the
+    expectation of what the walk accepts, without the walk's noise); top-k/top-p rows by the
+    walk's own outcome."""
+    if params.greedy:
+        return BY_ARGMAX
+    return BY_TEMPERATURE if params.top_k <= 0 and params.top_p >= 1.0 else BY_WALK
+
+
+def scored_chain(roots: Tensor, logits: Tensor) -> TreeSpec:
+    """build_chain with prefix scores (the summed top-1 log-probs), so it mixes with trees."""
+    spec = build_chain(roots, logits)
+    lp = logits.float()
+    top = (lp.amax(-1) - torch.logsumexp(lp, -1)).cumsum(1)
+    spec.scores = torch.cat([torch.zeros_like(top[:, :1]), top], 1)
+    return spec
 
 
 def selector_on(drafter: DFlashDrafter | None, wanted: bool | None) -> bool:
@@ -404,7 +599,11 @@ def selector_on(drafter: DFlashDrafter | None, wanted: bool | None) -> bool:
     return has and wanted is not False
 
 
-GREEDY = SamplingParams()  # what padded batch rows "sample" with: argmax
+def padding_request(slot: int) -> Request:
+    """A greedy row on the dummy slot that fills a batch bucket; nothing it computes is kept."""
+    req = Request([0], SamplingParams(), request_id="padding")
+    req.slot, req.bonus = slot, 0
+    return req
 
 
 def _build_tree(roots: Tensor, logits: Tensor, budget: int) -> TreeSpec:

@@ -39,6 +39,12 @@ class RequestStats:
     """Per-request measurements. Stage times of a batched round count fully for each member."""
 
     accept_lengths: list[int] = field(default_factory=list)  # per round, bonus token included
+    # Per round, what the speculation policy chose and expected (budget="auto"; fixed methods
+    # record their fixed choice with no prediction): "ar", "chain" or "tree"; drafted nodes
+    # verified (0 for ar); expected accepted drafted tokens (accept_lengths - 1 is what it got).
+    modes: list[str] = field(default_factory=list)
+    draft_sizes: list[int] = field(default_factory=list)
+    predicted_accepts: list[float] = field(default_factory=list)
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
@@ -62,6 +68,9 @@ class RequestStats:
             "tau": self.mean_accept_length,
             "rounds": self.rounds,
             "accept_lengths": list(self.accept_lengths),
+            "modes": list(self.modes),
+            "draft_sizes": list(self.draft_sizes),
+            "predicted_accepts": list(self.predicted_accepts),
             "stage_seconds": dict(self.stage_seconds),
             "wall_seconds": self.wall_seconds,
             "ttft_seconds": None if self.first_token is None else self.first_token - self.arrival,

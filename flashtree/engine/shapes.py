@@ -4,7 +4,7 @@ CUDA graphs are built once per bucket instead of once per round.
 - batch: powers of two; padded rows go to a dummy cache slot and their results are dropped;
 - attended keys: multiples of 128 up to 1024, then powers of two, capped at the cache length
   (keys past a slot's window are masked, so padding them changes nothing);
-- window: a tree budget from the same candidate grid budget="auto" picks from (a fixed budget
+- window: a tree budget from the grid the speculation policy (budget="auto") plans with (a fixed budget
   that fits is used as given), so every tree has 1 + budget nodes (build_tree pads short rows);
 - prefill: chunks whose sizes are powers of two up to MAX_CHUNK (a prompt of 300 tokens runs as
   256 + 32 + 8 + 4), so no chunk needs padding and a chunk can be run on its own.
@@ -12,7 +12,7 @@ CUDA graphs are built once per bucket instead of once per round.
 
 from __future__ import annotations
 
-from flashtree.engine.budget import CANDIDATES
+from flashtree.engine.policy import GRID
 
 MAX_CHUNK = 512
 KEY_STEP = 128
@@ -39,7 +39,7 @@ def budget_bucket(budget: int, cap: int) -> int:
     """`budget` when it fits under `cap`, else the largest candidate budget that does."""
     if budget <= cap:
         return budget
-    return max([b for b in CANDIDATES if b <= cap], default=1)
+    return max([b for b in GRID if b <= cap], default=1)
 
 
 def prefill_chunks(start: int, end: int, static: bool) -> list[tuple[int, int]]:

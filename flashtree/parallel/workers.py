@@ -247,11 +247,14 @@ class EngineLink:
 
     def attach(self, runner):
         """Every rank takes rank 0's start-up measurements (budget="auto" times the target: timed
-        on each rank they would differ, and so would the rounds' budgets); rank 0 gets back a
-        runner whose every method call the workers mirror."""
-        box = [getattr(runner, "auto", None)]
+        on each rank they would differ, and so would the rounds' plans), frozen so that no rank's
+        own timings move them; rank 0 gets back a runner whose every method call the workers mirror."""
+        policy = getattr(runner, "policy", None)
+        box = [policy.cost if policy is not None else None]
         dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
-        runner.auto = box[0]
+        if policy is not None:
+            policy.cost = box[0]
+            policy.cost.frozen = True
         if self.cluster is None:
             return runner
         from flashtree.parallel.mirror import MirroredRunner

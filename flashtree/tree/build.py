@@ -205,6 +205,20 @@ def build_tree(root_tokens: Tensor, draft_logits: Tensor, budget: int | Tensor, 
     token = tok_id.gather(2, pair_t[picked]).flatten(1)
 
     top_score, top = _topk(scores, bmax)
+    return assemble(root_tokens, scores, parent_rank, token, top_score, top, budget, bmax)
+
+
+def assemble(root_tokens: Tensor, scores: Tensor, parent_rank: Tensor, token: Tensor, top_score: Tensor,
+             top: Tensor, budget: int | Tensor, bmax: int) -> TreeSpec:
+    """Flatten per-depth levels into a TreeSpec: the top-budget of their union (top_score/top,
+    already in the tie order) re-sorted by (depth, level rank), parents mapped to output slots.
+
+    scores, parent_rank, token [R, D*bmax]: level d's rank-i entry at flat index d*bmax + i, its
+    parent's rank in level d-1 and its token. Shared by the marginal and the Markov builders.
+    """
+    R, flat_len = scores.shape
+    D = flat_len // bmax
+    dev = scores.device
     rank = torch.arange(bmax, device=dev)
     if isinstance(budget, Tensor):
         budget = budget.to(dev).reshape(-1, 1)

@@ -33,6 +33,7 @@ import functools
 import torch
 from torch import Tensor
 
+from flashtree.tree.build import assemble
 from flashtree.tree.spec import TreeSpec, chain_spec
 
 
@@ -107,27 +108,7 @@ def build_markov_tree(root_tokens: Tensor, cand_tokens: Tensor, trans_logp: Tens
     token = cand_tokens[:, :D].gather(2, torch.stack(cands, 1)).flatten(1)
 
     top_score, top = _top(scores, bmax)
-    rank = torch.arange(bmax, device=dev)
-    chosen = (rank < torch.as_tensor(budget, device=dev).reshape(-1, 1)) & (top_score > float("-inf"))
-    order = torch.where(chosen, top, D * bmax).sort(dim=1).values  # by (depth, level rank); padding last
-    keep = order < D * bmax
-    flat = order.clamp(max=D * bmax - 1)
-    depth = flat // bmax + 1
-    slot = torch.zeros(R, D * bmax + 1, dtype=torch.int64, device=dev)
-    slot.scatter_(1, order, rank.expand(R, bmax) + 1)
-    parent_flat = (depth - 2) * bmax + parent_rank.gather(1, flat)
-    parent = torch.where(depth > 1, slot.gather(1, parent_flat.clamp(min=0)), 0)
-
-    root = root_tokens.to(torch.int64).reshape(R, 1)
-    return TreeSpec(
-        tokens=torch.cat([root, torch.where(keep, token.gather(1, flat), -1)], 1),
-        parents=torch.cat([torch.full_like(root, -1), parent.masked_fill(~keep, 0)], 1),
-        depths=torch.cat([torch.zeros_like(root), depth.masked_fill(~keep, 1)], 1),
-        sizes=1 + keep.sum(1),
-        max_depth=min(D, bmax),
-        scores=torch.cat([torch.zeros_like(root, dtype=scores.dtype),
-                          torch.where(keep, scores.gather(1, flat), float("-inf"))], 1),
-    )
+    return assemble(root_tokens, scores, parent_rank, token, top_score, top, budget, bmax)
 
 
 def build_markov_chain(root_tokens: Tensor, cand_tokens: Tensor, trans_logp: Tensor) -> TreeSpec:

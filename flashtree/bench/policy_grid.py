@@ -1,0 +1,198 @@
+"""`flashtree bench --policy-grid`: does budget="auto" choose well? Throughput of every method
+under temperature x concurrency, all in one run, interleaved.
+
+For each (temperature, concurrency c) every cell (ar, dflash, ddtree at each fixed budget, auto)
+is its own LLMEngine with max_batch = c, sharing the loaded weights. The prompts are cut into
+waves of c requests submitted together; each wave runs through every cell back to back, in an
+order rotated from wave to wave, so drift and other processes on the machine spread over all
+cells. A cell's throughput is its output tokens over the wall time of its waves. Every cell
+first runs one unrecorded warmup wave per temperature (auto learns its acceptance there, as a
+server would from its first requests). Requests are seeded and run to max_tokens, so with
+seed-exact sampling every cell produces the same tokens: the table checks that too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from flashtree.bench.grid import encode_prompt, load_prompts
+from flashtree.config import DEMO_DRAFTER, EngineConfig
+from flashtree.engine import LLMEngine
+from flashtree.errors import FlashtreeError
+from flashtree.sampling import SamplingParams
+
+TEMPERATURES = [0.0, 0.7, 1.0]
+CONCURRENCY = [1, 4, 16]
+BUDGETS = [4, 8, 16, 32, 64]
+GOAL = 0.97  # auto's throughput against the best cell and against ar
+
+
+@dataclass
+class PolicyGridSpec:
+    target: str | None = None
+    drafter: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    temperatures: list[float] = field(default_factory=lambda: list(TEMPERATURES))
+    concurrency: list[int] = field(default_factory=lambda: list(CONCURRENCY))
+    budgets: list[int] = field(default_factory=lambda: list(BUDGETS))
+    suites: list[str] = field(default_factory=lambda: ["code", "prose"])
+    num_prompts: int = 16  # per (temperature, concurrency) cell, taken from the suites in turn
+    max_tokens: int = 64
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not self.temperatures or any(t < 0 for t in self.temperatures):
+            raise FlashtreeError(f"temperatures must be >= 0, got {self.temperatures}")
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise FlashtreeError(f"concurrency levels must be >= 1, got {self.concurrency}")
+        if any(not 1 <= b <= 1024 for b in self.budgets):
+            raise FlashtreeError(f"budgets must be in 1..1024, got {self.budgets}")
+        if self.num_prompts < 1 or self.max_tokens < 1:
+            raise FlashtreeError("num_prompts and max_tokens must be >= 1")
+
+    def labels(self) -> list[str]:
+        return ["ar", "dflash"] + [f"ddtree-{b}" for b in self.budgets] + ["auto"]
+
+
+@dataclass
+class GridCell:
+    temperature: float
+    concurrency: int
+    label: str
+    tokens: int = 0
+    seconds: float = 0.0
+    rounds: int = 0
+    accepted: int = 0  # drafted tokens accepted
+    modes: dict[str, int] = field(default_factory=dict)  # auto: request-rounds per choice
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _config(spec: PolicyGridSpec, label: str, batch: int, max_model_len: int | None) -> EngineConfig:
+    method, budget = ("ddtree", "auto") if label == "auto" else (label, 64)
+    if label.startswith("ddtree-"):
+        method, budget = "ddtree", int(label.split("-")[1])
+    return EngineConfig(target=spec.target, drafter=spec.drafter, method=method, budget=budget,
+                        max_budget=max(spec.budgets), device=spec.device, dtype=spec.dtype, max_batch=batch,
+                        max_model_len=max_model_len)
+
+
+def run_wave(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], cell: GridCell) -> None:
+    t0 = time.perf_counter()
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished:
+        engine.step()
+    cell.seconds += time.perf_counter() - t0
+    for r in reqs:
+        s = r.stats
+        cell.tokens += len(r.output_ids)
+        cell.rounds += s.rounds
+        cell.accepted += sum(n - 1 for n in s.accept_lengths)
+        for m in s.modes:
+            cell.modes[m] = cell.modes.get(m, 0) + 1
+        cell.outputs.append(list(r.output_ids))
+
+
+def run_policy_grid(spec: PolicyGridSpec, progress: bool = True) -> dict:
+    spec.validate()
+    if spec.target is None and spec.drafter is None and not DEMO_DRAFTER.is_dir():
+        raise FlashtreeError(f"the demo drafter is not there yet ({DEMO_DRAFTER}); pass --drafter")
+    started = time.perf_counter()
+    load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    suites = load_prompts(_suite_spec(spec))
+    base = LLMEngine(_config(spec, "ddtree-64", 1, None))
+    limit = base.config.max_model_len
+    pool = [p for group in zip(*suites.values()) for p in group]  # alternate suites
+    if len(pool) < spec.num_prompts:
+        pool = [p for ps in suites.values() for p in ps]
+    ids = [encode_prompt(base, p)[-(limit - spec.max_tokens - 1):] for p in pool[: spec.num_prompts]]
+    need = min(limit, max(map(len, ids)) + spec.max_tokens + 1)
+    labels = spec.labels()
+    # Largest batch first: auto engines then measure their costs once and the smaller ones reuse them.
+    engines = {(c, label): LLMEngine(_config(spec, label, c, need), share_weights=base)
+               for c in sorted(spec.concurrency, reverse=True) for label in labels}
+    cells: dict[tuple[float, int, str], GridCell] = {}
+    total = len(spec.temperatures) * sum(len(labels) * (1 + -(-len(ids) // c)) for c in spec.concurrency)
+    bar = tqdm(total=total, desc="policy grid", unit="wave", file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)
+    for t in spec.temperatures:
+        for c in spec.concurrency:
+            warm = [SamplingParams(temperature=t, max_tokens=min(16, spec.max_tokens), seed=spec.seed + 10_000 + i,
+                                   ignore_eos=True) for i in range(c)]
+            for label in labels:
+                bar.set_postfix_str(f"T={t:g} c={c} warmup {label}", refresh=False)
+                run_wave(engines[c, label], [ids[i % len(ids)] for i in range(c)], warm, GridCell(t, c, label))
+                bar.update(1)
+            for w, start in enumerate(range(0, len(ids), c)):
+                wave = ids[start : start + c]
+                params = [SamplingParams(temperature=t, max_tokens=spec.max_tokens, seed=spec.seed + start + i,
+                                         ignore_eos=True) for i in range(len(wave))]
+                k = w % len(labels)
+                for label in labels[k:] + labels[:k]:
+                    bar.set_postfix_str(f"T={t:g} c={c} {label}", refresh=False)
+                    cell = cells.setdefault((t, c, label), GridCell(t, c, label))
+                    run_wave(engines[c, label], wave, params, cell)
+                    bar.update(1)
+    bar.close()
+    return {"spec": vars(spec), "cells": cells, "seconds": time.perf_counter() - started, "load_average_start": load,
+            "device": str(base.device), "dtype": str(base.dtype).removeprefix("torch.")}
+
+
+def _suite_spec(spec: PolicyGridSpec):
+    from flashtree.bench.grid import BenchSpec
+
+    per_suite = -(-spec.num_prompts // max(1, len(spec.suites)))
+    return BenchSpec(suites=spec.suites, num_prompts=per_suite)
+
+
+def summary(result: dict) -> list[dict]:
+    """Per (temperature, concurrency): every cell's tok/s, the winner, auto's ratios, equal outputs."""
+    spec = result["spec"]
+    rows = []
+    for t in spec["temperatures"]:
+        for c in spec["concurrency"]:
+            cells = {k[2]: v for k, v in result["cells"].items() if k[0] == t and k[1] == c}
+            fixed = {k: v for k, v in cells.items() if k != "auto"}
+            best = max(fixed, key=lambda k: fixed[k].tokens_per_s)
+            auto, ar = cells["auto"], cells["ar"]
+            same = all(v.outputs == ar.outputs for v in cells.values())
+            rows.append({"temperature": t, "concurrency": c,
+                         "tok_s": {k: v.tokens_per_s for k, v in cells.items()}, "best": best,
+                         "auto_vs_best": auto.tokens_per_s / fixed[best].tokens_per_s,
+                         "auto_vs_ar": auto.tokens_per_s / ar.tokens_per_s,
+                         "auto_modes": dict(auto.modes), "same_tokens": same,
+                         "auto_tau": (auto.accepted + auto.rounds) / max(1, auto.rounds)})
+    return rows
+
+
+def markdown(result: dict) -> str:
+    rows = summary(result)
+    labels = list(rows[0]["tok_s"]) if rows else []
+    head = "| T | c | " + " | ".join(labels) + " | best | auto / best | auto / ar | auto's rounds (ar/chain/tree) | same tokens |"
+    lines = [head, "|" + "---|" * (len(labels) + 7)]
+    for r in rows:
+        best = r["best"]
+        toks = [f"**{r['tok_s'][k]:.1f}**" if k == best else f"{r['tok_s'][k]:.1f}" for k in labels]
+        m = r["auto_modes"]
+        total = max(1, sum(m.values()))
+        mix = "/".join(f"{100 * m.get(k, 0) / total:.0f}%" for k in ("ar", "chain", "tree"))
+        ok = lambda x: f"{x:.2f}x" + ("" if x >= GOAL else " ✗")  # noqa: E731
+        lines.append(f"| {r['temperature']:g} | {r['concurrency']} | " + " | ".join(toks)
+                     + f" | {best} | {ok(r['auto_vs_best'])} | {ok(r['auto_vs_ar'])} | {mix} | "
+                     + ("yes" if r["same_tokens"] else "NO") + " |")
+    return "\n".join(lines)
+
+
+def to_json(result: dict, env: dict, argv: list[str]) -> dict:
+    return {"argv": argv, "environment": env, "spec": result["spec"], "seconds": result["seconds"],
+            "load_average_start": result["load_average_start"], "summary": summary(result),
+            "cells": [{k: v for k, v in vars(c).items() if k != "outputs"} for c in result["cells"].values()]}

@@ -1,0 +1,465 @@
+"""What a round costs on this machine: measured at startup, cached on disk, refined online.
+
+The speculation policy prices every plan with four tables:
+  verify(rows, window)     the target forward over rows x window nodes plus the per-node pick (a
+                           batch verifies one window for all its rows: shorter rows are padding);
+  draft(rows, depth)       one drafter pass over `rows` blocks plus the LM head on `depth` positions;
+  tree(rows, budget)       building `rows` top-budget trees;
+  overhead(rows, drafting) the rest of a round: walk, the one read, commits, the drafter's context.
+Each is a grid over bucket points, interpolated linearly and extrapolated along its last slope.
+Startup times the points that matter most within a time budget and derives the rest: a dense
+forward costs mostly by the tokens it processes, so verify(R, N) ~ verify(1, R*N) + [verify(R, 1) -
+verify(1, R)], corrected by what was measured at the largest batch. Each round the runner times
+then nudges the points around it toward what it took. The measurement is cached per (target,
+drafter, device, dtype, threads) so the next start skips it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flashtree.models.context import ForwardContext, SlotBatch
+from flashtree.tree import build_chain, build_tree
+
+FORMAT = 1  # bump when the tables change meaning: older cache files are then re-measured
+WINDOWS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025)
+TREE_BUDGETS = (4, 16, 64, 256, 1024)
+DEFAULT_SECONDS = 1.8  # startup measurement time budget
+CONTEXT = 128  # committed rows per slot while timing (attention over the context is part of the cost)
+measurements = 0  # startup measurements run in this process (the cache tests read it)
+
+
+def _bracket(points: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Left bracket index and weight of v in sorted points; weights outside [0, 1] extrapolate."""
+    i = np.clip(np.searchsorted(points, v, side="right") - 1, 0, len(points) - 2)
+    return i, (v - points[i]) / (points[i + 1] - points[i])
+
+
+def _scalar_bracket(points: np.ndarray, v: float) -> int:
+    i = int(np.searchsorted(points, v, side="right")) - 1
+    return min(max(i, 0), len(points) - 2)
+
+
+class Grid:
+    """Seconds over a 2-D grid of bucket points (each axis at least 2 points), bilinear.
+
+    `monotone` names the axes along which cost cannot fall (more rows, a wider window): after
+    every change each point is lifted to the smaller ones, so no plan can look cheaper by growing.
+    (Startup measurements are made monotone the other way, capped by the larger points, since
+    there noise only ever adds time: see _floor.)
+    """
+
+    def __init__(self, xs, ys, values, monotone: tuple[int, ...] = (0, 1)) -> None:
+        self.xs = np.asarray(xs, dtype=float)
+        self.ys = np.asarray(ys, dtype=float)
+        self.values = np.asarray(values, dtype=float).reshape(len(self.xs), len(self.ys))
+        self.monotone = tuple(monotone)
+        self._project()
+
+    def _project(self) -> None:
+        for axis in self.monotone:
+            self.values = np.maximum.accumulate(self.values, axis=axis)
+
+    def __call__(self, x, y):
+        x, y = np.broadcast_arrays(np.asarray(x, dtype=float), np.asarray(y, dtype=float))
+        i, wx = _bracket(self.xs, x)
+        j, wy = _bracket(self.ys, y)
+        v = self.values
+        out = ((1 - wx) * (1 - wy) * v[i, j] + wx * (1 - wy) * v[i + 1, j]
+               + (1 - wx) * wy * v[i, j + 1] + wx * wy * v[i + 1, j + 1])
+        return np.maximum(out, 0.0)
+
+    def nudge(self, x: float, y: float, observed: float, rate: float) -> None:
+        """Move the corners around (x, y) so the prediction there moves `rate` of the way to
+        `observed` (clipped: one outlier round, e.g. a burst of load, cannot double a cell).
+        Scalar code: it runs every round."""
+        i = _scalar_bracket(self.xs, x)
+        j = _scalar_bracket(self.ys, y)
+        x0, x1, y0, y1 = self.xs[i], self.xs[i + 1], self.ys[j], self.ys[j + 1]
+        wx = min(1.0, max(0.0, (x - x0) / (x1 - x0)))
+        wy = min(1.0, max(0.0, (y - y0) / (y1 - y0)))
+        v = self.values
+        corners = ((i, j, (1 - wx) * (1 - wy)), (i + 1, j, wx * (1 - wy)), (i, j + 1, (1 - wx) * wy),
+                   (i + 1, j + 1, wx * wy))
+        predicted = sum(float(v[a, b]) * w for a, b, w in corners)
+        err = min(max(observed - predicted, -0.5 * predicted), predicted) if predicted > 0 else observed
+        norm = sum(w * w for _, _, w in corners)
+        for a, b, w in corners:
+            v[a, b] = max(0.0, float(v[a, b]) + rate * err * w / norm)
+        self._project()
+
+    def as_dict(self) -> dict:
+        return {"xs": self.xs.tolist(), "ys": self.ys.tolist(), "values": self.values.tolist(),
+                "monotone": list(self.monotone)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Grid:
+        return cls(d["xs"], d["ys"], d["values"], tuple(d.get("monotone", (0, 1))))
+
+
+def row_points(max_rows: int) -> list[int]:
+    """1, 2, 4, ... below max_rows, then max_rows (at least two points)."""
+    pts, r = [], 1
+    while r < max_rows:
+        pts.append(r)
+        r *= 2
+    return pts + [max_rows] if max_rows > 1 else [1, 2]
+
+
+def window_points(max_window: int) -> list[int]:
+    pts = [n for n in WINDOWS if n < max_window] + [max_window]
+    return pts if len(pts) > 1 else [1, 2]
+
+
+class CostModel:
+    """The four tables, the round-time prediction for a plan, and online refinement."""
+
+    def __init__(self, verify: Grid, draft: Grid, tree: Grid, overhead: Grid, coverage: dict,
+                 source: str = "measured", seconds: float = 0.0) -> None:
+        self.verify, self.draft, self.tree, self.overhead = verify, draft, tree, overhead
+        self.coverage = coverage  # the largest rows / window / budget measured
+        self.source = source  # "measured" at this start, or "cache"
+        self.seconds = seconds  # the startup measurement's wall time (0 from the cache)
+        self.scale = 1.0  # whole-round correction when stages are not timed separately (GPU, no sync)
+        self.refined = 0  # rounds folded in
+        self.frozen = False  # no online refinement (tensor parallelism: every rank must plan alike)
+
+    # ---- prediction ------------------------------------------------------------------------
+
+    def round_seconds(self, rows: int, window: int, drafting: int, depth: int, tree_rows: int,
+                      budget: int) -> float:
+        t = float(self.verify(rows, window)) + float(self.overhead(rows, 1 if drafting else 0))
+        if drafting:
+            t += float(self.draft(drafting, depth))
+            if tree_rows:
+                t += float(self.tree(tree_rows, budget))
+        return t * self.scale
+
+    # ---- online refinement -----------------------------------------------------------------
+
+    def refine(self, rows: int, window: int, drafting: int, depth: int, tree_rows: int, budget: int,
+               stages: dict[str, float] | None, total: float, rate: float = 0.1) -> None:
+        """Fold in one timed round. `stages` (verify, draft_pass, tree seconds) when the device was
+        synchronised between stages; otherwise only the round's total moves a global scale."""
+        if self.frozen:
+            return
+        self.refined += 1
+        if stages is None:
+            predicted = self.round_seconds(rows, window, drafting, depth, tree_rows, budget) / self.scale
+            if predicted > 0:
+                self.scale += rate * (min(max(total / predicted, 0.5), 2.0) - self.scale)
+            return
+        self.verify.nudge(rows, window, stages["verify"], rate)
+        modeled = stages["verify"]
+        if drafting:
+            self.draft.nudge(drafting, depth, stages["draft_pass"], rate)
+            modeled += stages["draft_pass"]
+            if tree_rows:
+                self.tree.nudge(tree_rows, budget, stages["tree"], rate)
+                modeled += stages["tree"]
+        self.overhead.nudge(rows, 1 if drafting else 0, max(0.0, total - modeled), rate)
+
+    # ---- cache -------------------------------------------------------------------------------
+
+    def as_dict(self) -> dict:
+        return {"format": FORMAT, "coverage": self.coverage, "verify": self.verify.as_dict(),
+                "draft": self.draft.as_dict(), "tree": self.tree.as_dict(), "overhead": self.overhead.as_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        return cls(Grid.from_dict(d["verify"]), Grid.from_dict(d["draft"]), Grid.from_dict(d["tree"]),
+                   Grid.from_dict(d["overhead"]), d["coverage"], source="cache")
+
+    def covers(self, rows: int, window: int, budget: int) -> bool:
+        c = self.coverage
+        return c["rows"] >= rows and c["window"] >= window and c["budget"] >= budget
+
+
+# ---- where the cache lives -----------------------------------------------------------------
+
+def cache_dir(setting: str | None) -> Path | None:
+    """EngineConfig.cost_cache: a directory, "off" (no disk cache), or None: $FLASHTREE_CACHE_DIR,
+    else $XDG_CACHE_HOME/flashtree, else ~/.cache/flashtree."""
+    if setting == "off":
+        return None
+    if setting:
+        return Path(setting).expanduser()
+    if os.environ.get("FLASHTREE_CACHE_DIR"):
+        return Path(os.environ["FLASHTREE_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "flashtree"
+
+
+def _files(module) -> list[list]:
+    """(name, size, mtime_ns) of a checkpoint's config and weights: changes when it is replaced."""
+    src = getattr(module, "source_dir", None)
+    if src is None:
+        return []
+    src = Path(src)
+    out = []
+    for f in sorted(src.glob("*.safetensors")) + [src / "config.json"]:
+        if f.is_file():
+            st = f.stat()
+            out.append([f.name, st.st_size, st.st_mtime_ns])
+    return [[str(src.resolve())]] + out
+
+
+def cache_key(target, drafter, device: torch.device, dtype: torch.dtype) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"format": FORMAT, "target": _files(target), "drafter": _files(drafter), "device": f"{device} {name}",
+            "dtype": str(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def cache_path(directory: Path, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return directory / "costs" / f"{digest}.json"
+
+
+def load(path: Path | None, key: dict) -> CostModel | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") != key or data.get("format") != FORMAT:
+            return None
+        return CostModel.from_dict(data)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a damaged or foreign file is measured over
+
+
+def save(path: Path | None, key: dict, model: CostModel) -> None:
+    """Write atomically (several engines may start at once); an unwritable cache is not an error."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**model.as_dict(), "key": key}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+# ---- startup measurement -----------------------------------------------------------------
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Timer:
+    """Best-of-n timings that stop taking new points once the time budget is spent."""
+
+    def __init__(self, device: torch.device, seconds: float) -> None:
+        self.device = device
+        self.deadline = time.perf_counter() + seconds
+        self.start = time.perf_counter()
+        self.adaptive = seconds != float("inf")  # else every point runs the same repeats (tensor parallel)
+
+    @property
+    def spent(self) -> bool:
+        return time.perf_counter() > self.deadline
+
+    def __call__(self, fn, repeats: int = 2) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(repeats):
+            _sync(self.device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(self.device)
+            best = min(best, time.perf_counter() - t0)
+            if best > 0.2 and self.adaptive:  # big points: one timed run is enough
+                break
+        return best
+
+
+def _interp(points: dict[int, float], x: float) -> float:
+    """Piecewise-linear through measured points, extrapolated along the outer slopes."""
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]] * max(1.0, x / xs[0]) if x > xs[0] else points[xs[0]]
+    i = int(np.clip(np.searchsorted(xs, x, side="right") - 1, 0, len(xs) - 2))
+    x0, x1 = xs[i], xs[i + 1]
+    return max(0.0, points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0))
+
+
+@torch.inference_mode()
+def measure(target, drafter, cache, draft_cache, max_rows: int, max_window: int, max_budget: int,
+            seconds: float = DEFAULT_SECONDS) -> CostModel:
+    """Time the target's verify, the drafter pass and the tree build on slots 0..max_rows-1 after
+    CONTEXT committed rows each, most important points first, within `seconds`; derive the rest."""
+    global measurements
+    measurements += 1
+    device = target.embed_tokens.weight.device
+    timer = _Timer(device, seconds)
+    rows_max = max_rows
+    ctx = max(1, min(CONTEXT, cache.max_len - max_window - 2))
+    for s in range(rows_max):
+        cache.set_length(s, ctx)
+        draft_cache.set_length(s, ctx)
+    L = drafter.block_size
+    depth = L - 1
+    V = target.vocab_size
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    layers = tuple(drafter.args.target_layer_ids)
+
+    def logits(rows: int, d: int) -> torch.Tensor:
+        return (torch.randn(rows, max(1, d), V, generator=gen) * 4).to(device)
+
+    def verify(rows: int, n: int):
+        batch = SlotBatch.of(cache, list(range(rows)))
+        roots = torch.zeros(rows, dtype=torch.long, device=device)
+        spec = build_tree(roots, logits(rows, min(n - 1, depth)), n - 1) if n > 1 else None
+        if spec is None:
+            from flashtree.tree import chain_spec
+
+            spec = chain_spec(roots[:, None])
+
+        def run():
+            ctx_ = ForwardContext.verify(cache, batch, spec)
+            target(spec.tokens.clamp(min=0), ctx_, layers).logits.argmax(-1)
+        return run
+
+    def draft(rows: int, head_only: bool):
+        batch = SlotBatch.of(draft_cache, list(range(rows)))
+        block = torch.zeros(rows, L, dtype=torch.long, device=device)
+        hidden = torch.zeros(rows, depth, target.args.hidden_size, device=device,
+                             dtype=target.embed_tokens.weight.dtype)
+
+        def run():
+            if head_only:
+                target.lm_head(hidden)
+            else:
+                target.lm_head(drafter(target.embed_tokens(block), ForwardContext.block(draft_cache, batch, L))[:, 1:])
+        return run
+
+    def tree(rows: int, b: int):
+        roots = torch.zeros(rows, dtype=torch.long, device=device)
+        lg = logits(rows, min(b, depth))
+        return lambda: build_tree(roots, lg, b)
+
+    windows = window_points(max_window)
+    budgets = [b for b in TREE_BUDGETS if b < max_budget] + [max_budget]
+    v: dict[tuple[int, int], float] = {}
+    body: dict[int, float] = {}
+    head: dict[int, float] = {}
+    tr: dict[tuple[int, int], float] = {}
+    # Most important first: what AR, a small tree and the drafter cost at both batch ends.
+    plan: list[tuple] = [("v", 1, 1), ("v", rows_max, 1), ("d", 1), ("d", rows_max), ("t", 1, budgets[0]),
+                         ("t", rows_max, budgets[0])]
+    plan += [("v", 1, n) for n in windows[1:4]] + [("v", rows_max, n) for n in windows[1:3]]
+    plan += [("t", 1, b) for b in budgets[1:3]] + [("t", rows_max, b) for b in budgets[1:2]]
+    plan += [("v", 1, n) for n in windows[4:]] + [("v", r, 1) for r in row_points(rows_max)[1:-1]]
+    plan += [("v", rows_max, n) for n in windows[3:6]] + [("t", 1, b) for b in budgets[3:]]
+    plan = list(dict.fromkeys(plan))
+    for i, item in enumerate(plan):
+        if i >= 6 and timer.spent:
+            break
+        kind = item[0]
+        if kind == "v":
+            _, r, n = item
+            if r * n <= max(4096, rows_max * 2) or r == 1:
+                v[r, n] = timer(verify(r, n))
+        elif kind == "d":
+            _, r = item
+            full = timer(draft(r, False))
+            head[r] = min(full, timer(draft(r, True)))
+            body[r] = full - head[r]
+        else:
+            _, r, b = item
+            tr[r, b] = timer(tree(r, b))
+    chain_cost = timer(lambda: build_chain(torch.zeros(rows_max, dtype=torch.long, device=device),
+                                           logits(rows_max, depth)))
+    for s in range(rows_max):
+        cache.set_length(s, 0)
+        draft_cache.set_length(s, 0)
+    return _tables(v, body, head, tr, chain_cost, rows_max, windows, budgets, depth, max_window, max_budget,
+                   time.perf_counter() - timer.start)
+
+
+def _floor(points: dict[int, float]) -> dict[int, float]:
+    """Cap each point by every larger one: true cost never falls as the size grows, and noise
+    from other processes only ever adds time."""
+    out, low = {}, float("inf")
+    for x in sorted(points, reverse=True):
+        low = min(low, points[x])
+        out[x] = low
+    return out
+
+
+def _clamped(points: dict[int, float], x: float) -> float:
+    """Interpolated inside the measured range, the nearest end outside it."""
+    xs = sorted(points)
+    return _interp(points, min(max(x, xs[0]), xs[-1]))
+
+
+def _tables(v, body, head, tr, chain_cost, rows_max, windows, budgets, depth, max_window, max_budget,
+            seconds) -> CostModel:
+    rows = row_points(rows_max)
+    single = _floor({n: s for (r, n), s in v.items() if r == 1})  # tokens -> seconds at one row
+    ar = _floor({r: s for (r, n), s in v.items() if n == 1})  # rows -> seconds at one node each
+
+    def derived(r: int, n: int) -> float:
+        return _interp(single, r * n) + max(0.0, _interp(ar, r) - _interp(single, r))
+
+    at_max = {n: float(np.clip(s / max(derived(rows_max, n), 1e-9), 0.5, 2.0))
+              for (r, n), s in v.items() if r == rows_max}
+    values = np.zeros((len(rows), len(windows)))
+    for a, r in enumerate(rows):
+        for b, n in enumerate(windows):
+            ratio = _clamped(at_max, n) if at_max else 1.0
+            frac = (r - 1) / (rows_max - 1) if rows_max > 1 else 0.0
+            values[a, b] = v.get((r, n), derived(r, n) * (1 + (ratio - 1) * frac))
+    values = np.minimum.accumulate(values[:, ::-1], axis=1)[:, ::-1]  # the rule of _floor, both ways
+    values = np.minimum.accumulate(values[::-1], axis=0)[::-1]
+    verify = Grid(rows, windows, values)
+    draft_rows = sorted(body)
+    if len(draft_rows) == 1:
+        draft_rows = [draft_rows[0], draft_rows[0] + 1]
+        body[draft_rows[1]] = body[draft_rows[0]] * 1.1
+        head[draft_rows[1]] = head[draft_rows[0]] * 1.1
+    draft = Grid(draft_rows, [0, depth], [[body[r], body[r] + head[r]] for r in draft_rows])
+    tree_rows = [1, rows_max] if rows_max > 1 else [1, 2]
+    tb = budgets if len(budgets) > 1 else [budgets[0], budgets[0] + 1]
+    tvals = []
+    for r in tree_rows:
+        pts = {b: s for (rr, b), s in tr.items() if rr == r} or {b: s * r for (rr, b), s in tr.items() if rr == 1}
+        pts = _floor(pts) if pts else {tb[0]: chain_cost}
+        tvals.append([max(chain_cost, _interp(pts, b)) for b in tb])
+    tree = Grid(tree_rows, tb, tvals)
+    overhead = Grid(rows, [0, 1], np.zeros((len(rows), 2)), monotone=(0,))
+    return CostModel(verify, draft, tree, overhead, {"rows": rows_max, "window": max_window, "budget": max_budget},
+                     seconds=seconds)
+
+
+def startup(target, drafter, cache, draft_cache, max_rows: int, max_window: int, max_budget: int,
+            cache_setting: str | None, seconds: float = DEFAULT_SECONDS) -> tuple[CostModel, Path | None, dict]:
+    """The cached tables when they cover this engine, else a fresh measurement (saved)."""
+    key = cache_key(target, drafter, cache.device, target.embed_tokens.weight.dtype)
+    directory = cache_dir(cache_setting)
+    path = cache_path(directory, key) if directory is not None else None
+    model = load(path, key)
+    if model is not None and model.covers(max_rows, max_window, max_budget):
+        return model, path, key
+    if model is not None:  # measure at least what the cache covered, so engines do not take turns
+        c = model.coverage
+        max_rows, max_window, max_budget = max(max_rows, c["rows"]), max(max_window, c["window"]), \
+            max(max_budget, c["budget"])
+        max_rows = min(max_rows, cache.k.shape[1])
+        max_window = min(max_window, cache.max_len - 2)
+    where = f"; cached in {path.parent}" if path is not None else ""
+    print(f"flashtree: measuring round costs for budget='auto' (once per model, device, dtype and threads{where})...",
+          end="", file=sys.stderr, flush=True)
+    model = measure(target, drafter, cache, draft_cache, max_rows, max_window, max_budget, seconds)
+    print(f" {model.seconds:.1f} s", file=sys.stderr, flush=True)
+    save(path, key, model)
+    return model, path, key

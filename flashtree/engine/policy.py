@@ -1,0 +1,485 @@
+"""The speculation policy (budget="auto"): each round, for each request, a plain AR step (no
+drafter call), the chain, or a tree of size b, whichever maximises the batch's predicted tokens
+per second.
+
+    rate = (R + sum over drafting rows of E_r) / seconds(plan)
+
+E_r is the calibrated expected number of drafted tokens the target accepts. Its raw material is
+what drafts of that request left behind, read back with each round's one read: the drafter's
+spine reach per depth (prefix probability of the top-1 path) and, for a tree, per grid size b
+how many spine nodes the top-b tree holds and how much raw reach its branch nodes add. The
+current calibration (calibration.py) turns these into E at plan time:
+
+    chain(l) = sum_{d <= l} min(1, beta[d, spine] * reach_d)
+    tree(b)  = chain(spine nodes in the top-b tree) + beta_branch * branch reach(b)
+
+so a correction learned later applies to old drafts too. A draft's confidence swings from round
+to round, so the spine forecast blends the last draft's reach with the request's running mean
+(which starts from its class's), the last one's weight fading while the request takes AR steps;
+tree structure comes from the means. Sizes past those seen are extrapolated (geometric
+increments, at ratios learned from trees that were that big). seconds(plan) is the cost model's.
+
+A batch verifies one window for all its rows (shorter rows are padding), so the round's node
+budget is spent by widening everyone's window: for each window on the grid, rows are taken in
+order of gain while the next one pays for its share of the drafter pass, and the best (window,
+rows) pair wins. As the batch grows, a wider window costs more nodes per row of gain, so the
+window shrinks, then rows drop to AR, with no rule for it.
+
+Decisions use only what the previous round's one read brought back. They explore where the
+estimates rest on little: each request's gain is scaled by a draw from Gamma(n, 1/n) (mean 1,
+variance 1/n), n the evidence behind its calibration (Thompson-style), so one unlucky round
+does not lock a request out of speculating, while a class that has shown many times that its
+drafts do not pay (T = 1 with a weak drafter) is hardly ever drafted for. On top of that,
+requests that stopped drafting are probed now and then (a speculative round chosen only to
+learn), paid from a credit of PROBE_SHARE of the time spent.
+
+When a batch is clearly better off on AR steps, the plan holds for a few rounds (more the
+clearer it is), so that steady state costs almost no host time per round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flashtree.engine.calibration import Calibration, sampling_class
+from flashtree.engine.cost_model import CostModel
+from flashtree.engine.sequence import Request
+
+GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+AR, CHAIN, TREE = 0, 1, 2
+MODE_NAMES = ("ar", "chain", "tree")
+PROBE_SHARE = 0.005  # of round time, spent on speculative rounds the model does not expect to pay
+RHO_PRIOR = 0.8  # increment ratio between grid sizes before any tree that big was seen
+SPINE_PRIOR = 0.7  # per-depth spine reach ratio assumed for a class nobody has drafted in yet
+POOL_RATE = 0.1  # EMA weight of one row in a class's pooled curves
+MEAN_RATE = 0.5  # EMA weight of one round in a request's mean curves
+LAST_WEIGHT, LAST_FADE = 0.8, 0.8  # the last draft's share of the forecast, and its fade per AR round
+OWN_FADE = 0.8  # per AR round, the request's own data yields to its class's in the forecast
+STREAK_DECAY, STREAK_PRIOR = 0.5, 1.0  # the request's recent accepted / forecast ratio (see observe)
+CHAIN_MARGIN = 1.05  # a chain row must forecast this many times the tree's accepted tokens
+RECORD_DECAY, RECORD_PRIOR = 0.97, 4.0  # chains' accepted / planned record per class: fade per round, prior
+MAX_HOLD = 32  # rounds an all-AR plan may be reused without re-planning
+
+
+@dataclass
+class RoundPlan:
+    """What one round does, per batch row, and what the policy expects of it."""
+
+    modes: list[int]  # AR, CHAIN or TREE per batch row
+    window: int = 1  # nodes per row in the verify (root included)
+    budget: int = 0  # tree rows' drafted nodes
+    chain: int = 0  # chain rows' drafted nodes
+    depth: int = 0  # draft positions the LM head scores
+    draft_rows: list[int] = field(default_factory=list)  # tree rows first, then chain rows
+    tree_rows: int = 0
+    predicted: list[float] = field(default_factory=list)  # per batch row: expected accepted drafted tokens
+    seconds: float = 0.0
+    probes: list[int] = field(default_factory=list)
+    learn: bool = False  # read back curves and calibration data (auto only)
+    column: int = 0  # the window's grid index (auto only)
+
+    @property
+    def drafting(self) -> int:
+        return len(self.draft_rows)
+
+    def label(self, row: int) -> str:
+        return MODE_NAMES[self.modes[row]]
+
+    def size(self, row: int) -> int:
+        """Drafted nodes the row verifies (0 for AR)."""
+        return {AR: 0, CHAIN: self.chain, TREE: self.budget}[self.modes[row]]
+
+
+def fixed_plan(rows: int, method: str, block_size: int, budget: int) -> RoundPlan:
+    """Every row drafts alike: the chain (dflash), a tree of `budget` nodes (ddtree) or nothing (ar)."""
+    if method == "ar":
+        return RoundPlan([AR] * rows, predicted=[0.0] * rows)
+    if method == "dflash":
+        n = block_size - 1
+        return RoundPlan([CHAIN] * rows, window=block_size, chain=n, depth=n, draft_rows=list(range(rows)),
+                         predicted=[0.0] * rows)
+    return RoundPlan([TREE] * rows, window=budget + 1, budget=budget, depth=min(budget, block_size - 1),
+                     draft_rows=list(range(rows)), tree_rows=rows, predicted=[0.0] * rows)
+
+
+class Policy:
+    def __init__(self, cost: CostModel, slots: int, block_size: int, max_budget: int, max_round_tokens: int) -> None:
+        self.cost = cost
+        self.depth = block_size - 1
+        self.grid = np.array([b for b in GRID if b < max_budget] + [max_budget])
+        if self.depth not in self.grid and self.depth < max_budget:
+            self.grid = np.sort(np.append(self.grid, self.depth))
+        self.max_round_tokens = max_round_tokens
+        G, D = len(self.grid), self.depth
+        self.calibration = Calibration(slots, D)
+        self.owner: list[str | None] = [None] * slots
+        self.cls = [0] * slots
+        # Per slot: the last draft's spine reach per depth (NaN past the depth drafted), its
+        # running mean, the tree structure per grid size (spine nodes in the top-b tree, branch
+        # reach; NaN: no tree that big seen yet), and rounds since the last draft.
+        self.reach = np.full((slots, D), np.nan)
+        self.reach_mean = np.full((slots, D), np.nan)
+        self.spine_nodes = np.full((slots, G), np.nan)
+        self.branch = np.full((slots, G), np.nan)
+        self.spine_nodes_last = np.full((slots, G), np.nan)  # the last tree draft's (NaN past its budget)
+        self.branch_last = np.full((slots, G), np.nan)
+        self.idle = np.zeros(slots)
+        # Forecasts at every size [slots, G] (tree) and [slots, D] (chain), from the last draft
+        # and from the means, refreshed when a slot's data or calibration changes (so a round
+        # on AR steps costs a blend, not the calibration and extrapolation).
+        self.fc_last_t = np.zeros((slots, G))
+        self.fc_last_c = np.zeros((slots, D))
+        self.fc_mean_t = np.zeros((slots, G))
+        self.fc_mean_c = np.zeros((slots, D))
+        self.fc_pool_t = np.zeros((slots, G))
+        self.fc_pool_c = np.zeros((slots, D))
+        self.has_last = np.zeros(slots, dtype=bool)
+        # Recent accepted and same-round forecast tokens: the next round follows the last ones
+        # more than any draft's own confidence says (acceptance comes in streaks).
+        self.streak = np.zeros((slots, 2))
+        self.last_seen = np.zeros(slots)
+        self.pools: dict[int, dict[str, np.ndarray]] = {}
+        self.rounds = 0
+        self.credit = 0.0
+        self.rate = 0.0  # the last plan's predicted tokens per second
+        self._costs: dict[int, tuple[int, dict]] = {}
+        self.rng = np.random.default_rng(0)
+        self.hold: tuple[list[str], RoundPlan] | None = None  # an all-AR plan reused while the batch stays
+        self.hold_left = 0
+
+    # ---- per-request state ---------------------------------------------------------------
+
+    def _claim(self, req: Request) -> None:
+        s = req.slot
+        if self.owner[s] == req.request_id:
+            return
+        self.owner[s] = req.request_id
+        self.cls[s] = sampling_class(req.params)
+        self.calibration.reset(s)
+        pool = self._pool(self.cls[s])
+        self.reach[s] = np.nan
+        self.reach_mean[s], self.spine_nodes[s], self.branch[s] = pool["reach"], pool["spine_nodes"], pool["branch"]
+        self.spine_nodes_last[s], self.branch_last[s] = np.nan, np.nan
+        self.streak[s] = 0.0
+        self.idle[s] = 0
+        self.last_seen[s] = self.rounds
+        self._refresh([s])
+
+    def _pool(self, cls: int) -> dict[str, np.ndarray]:
+        if cls not in self.pools:
+            G, D = len(self.grid), self.depth
+            spine_nodes, branch = np.full(G, np.nan), np.full(G, np.nan)
+            spine_nodes[0], branch[0] = 1.0, 0.0  # the top-1 tree is the chain of one
+            self.pools[cls] = {"reach": SPINE_PRIOR ** np.arange(1, D + 1), "spine_nodes": spine_nodes,
+                               "branch": branch, "rho": np.full(G, RHO_PRIOR),
+                               "record": np.zeros((2, 2))}
+        return self.pools[cls]
+
+    def _calibrated(self, slots: list[int], reach: np.ndarray, spine_nodes: np.ndarray,
+                    branch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Tree [k, G] and chain [k, D] expected accepts from raw draft data, under each slot's
+        current calibration, extended past the sizes seen."""
+        classes = [self.cls[s] for s in slots]
+        beta = self.calibration.beta(slots, classes, self.idle[slots])
+        # No clamp at 1 per node: beta is a ratio of expected counts, and the forecast is one too.
+        chain = np.minimum(np.cumsum(beta[:, :, 0] * extend_reach(reach), axis=1), np.arange(1, self.depth + 1))
+        at = np.clip(np.nan_to_num(spine_nodes, nan=1.0).astype(int), 1, self.depth) - 1
+        tree = np.take_along_axis(chain, at, 1) + self.calibration.branch_beta(slots, classes, self.idle[slots])[:, None] * branch
+        rho = np.stack([self._pool(c)["rho"] for c in classes])
+        return np.clip(extend_tree(tree, rho), 0.0, self.depth), chain
+
+    def _refresh(self, slots: list[int]) -> None:
+        """Recompute the forecasts of these slots."""
+        self.fc_mean_t[slots], self.fc_mean_c[slots] = self._calibrated(slots, self.reach_mean[slots],
+                                                                        self.spine_nodes[slots], self.branch[slots])
+        pools = [self._pool(self.cls[s]) for s in slots]
+        self.fc_pool_t[slots], self.fc_pool_c[slots] = self._calibrated(
+            slots, np.stack([p["reach"] for p in pools]), np.stack([p["spine_nodes"] for p in pools]),
+            np.stack([p["branch"] for p in pools]))
+        last = self.reach[slots]
+        has = ~np.isnan(last[:, 0])
+        self.has_last[slots] = has
+        if has.any():
+            # The last tree's structure where it was that big, the mean's beyond.
+            sn, br = self.spine_nodes_last[slots], self.branch_last[slots]
+            known = ~np.isnan(sn)
+            t, c = self._calibrated(slots, np.where(has[:, None], last, self.reach_mean[slots]),
+                                    np.where(known, sn, self.spine_nodes[slots]), np.where(known, br, self.branch[slots]))
+            self.fc_last_t[slots], self.fc_last_c[slots] = t, c
+
+    def _curves(self, slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """[R, G] tree and [R, D] chain forecasts with every entry filled: the last draft's curves
+        blended into the request's means, and those into its class's, the request's own data
+        fading with rounds spent on AR steps (an unobserved request is expected to be typical)."""
+        idle = self.idle[slots]
+        w = (LAST_WEIGHT * LAST_FADE ** idle * self.has_last[slots])[:, None]
+        num, den = self.streak[slots].T
+        m = np.clip((num + STREAK_PRIOR) / (den + STREAK_PRIOR), 0.3, 3.0)[:, None]
+        a = (OWN_FADE ** idle)[:, None]
+        et = a * m * (w * self.fc_last_t[slots] + (1 - w) * self.fc_mean_t[slots]) + (1 - a) * self.fc_pool_t[slots]
+        ec = a * m * (w * self.fc_last_c[slots] + (1 - w) * self.fc_mean_c[slots]) + (1 - a) * self.fc_pool_c[slots]
+        # Each class keeps a record, per mode, of tokens accepted against tokens planned: it
+        # corrects what the forecast misses in level (e.g. calibration learned on trees, whose deep
+        # spine nodes are the confident ones, does not carry over to chains). It fades back to
+        # neutral over rounds, so a mode it once ruled out is tried again.
+        record = np.array([self._pool(self.cls[s])["record"] for s in slots])  # [R, mode, (got, planned)]
+        fix = np.clip((record[..., 0] + RECORD_PRIOR) / (record[..., 1] + RECORD_PRIOR), 0.3, 3.0)
+        et, ec = et * fix[:, :1], ec * fix[:, 1:]
+        return np.clip(et, 0.0, self.depth), np.minimum(ec, np.arange(1, self.depth + 1))
+
+    # ---- costs ------------------------------------------------------------------------------
+
+    def _cost_tables(self, rows: int) -> dict:
+        """Cost arrays for a batch of `rows`, recomputed as the model refines."""
+        cached = self._costs.get(rows)
+        if cached is not None and cached[0] == self.cost.refined // 16:
+            return cached[1]
+        c, g = self.cost, self.grid
+        k = np.arange(1, rows + 1)[:, None]
+        depth = np.minimum(g, self.depth)[None, :]
+        tables = {
+            "verify_tree": c.verify(rows, 1 + g)[None, :] * c.scale,
+            "verify_chain": c.verify(rows, 1 + depth)[0][None, :] * c.scale,
+            "draft": c.draft(k, depth) * c.scale,
+            "tree": c.tree(np.maximum(k, 1), g[None, :]) * c.scale,
+            "tree_row": (c.tree(2, g) - c.tree(1, g)) * c.scale,
+            "over_spec": float(c.overhead(rows, 1)) * c.scale,
+            "ar": (float(c.verify(rows, 1)) + float(c.overhead(rows, 0))) * c.scale,
+        }
+        # A lower bound on any drafting round's seconds: one row, the cheapest window.
+        tables["spec_min"] = float((tables["verify_chain"][0] + tables["draft"][0]).min() + tables["over_spec"])
+        self._costs[rows] = (self.cost.refined // 16, tables)
+        return tables
+
+    # ---- the plan ---------------------------------------------------------------------------
+
+    def plan(self, reqs: list[Request]) -> RoundPlan:
+        R = len(reqs)
+        ids = [r.request_id for r in reqs]
+        if self.hold_left and self.hold[0] == ids:
+            self.hold_left -= 1
+            plan = self.hold[1]
+            self.credit += PROBE_SHARE * plan.seconds
+            self.rounds += 1
+            self.idle[[r.slot for r in reqs]] += 1
+            return plan
+        self.hold_left = 0
+        for r in reqs:
+            self._claim(r)
+        slots = [r.slot for r in reqs]
+        for c in {self.cls[s] for s in slots}:
+            self._pool(c)["record"] *= RECORD_DECAY
+        aged = [s for s in slots if self.idle[s]]
+        if aged:  # their calibration drifted toward the pool while they took AR steps
+            self._refresh(aged)
+        et, ec = self._curves(slots)
+        cap = min(int(self.grid[-1]), self.max_round_tokens // R - 1)
+        cols = int(np.searchsorted(self.grid, cap, side="right"))
+        t = self._cost_tables(R)
+        plan = RoundPlan([AR] * R, predicted=[0.0] * R, seconds=t["ar"], learn=True)
+        rate = R / t["ar"]
+        if cols > 0:
+            n = self.calibration.evidence(slots, [self.cls[s] for s in slots], self.idle[slots])
+            luck = self.rng.gamma(n, 1.0 / n)  # explore where the evidence is thin
+            # Cheap exit, the steady state of a batch that does not pay: even every row's best
+            # gain at the cheapest drafting round cannot beat AR.
+            best = np.maximum(et.max(1), ec.max(1))
+            if (R + luck @ best) / t["spec_min"] <= rate:
+                cols = 0
+                self._hold(ids, plan, self._pool_ratio(slots, t, rate, cap))
+        if cols > 0:
+            g = self.grid[:cols]
+            gain_t = et[:, :cols]
+            gain_c = ec[:, np.minimum(g, self.depth) - 1]
+            # A tree row costs its share of the build over a chain row (priced in tokens), and a
+            # chain must win by a margin (its forecast extrapolates the deep spine more).
+            use_tree = CHAIN_MARGIN * gain_t - (self.rate or rate) * t["tree_row"][None, :cols] > gain_c
+            gain = np.where(use_tree, gain_t, gain_c)
+            rates, order, seconds = self._rates(R, gain * luck[:, None], use_tree, t, cols)
+            k, j = np.unravel_index(np.argmax(rates), rates.shape)
+            if rates[k, j] <= rate:
+                self._hold(ids, plan, self._pool_ratio(slots, t, rate, cap))
+            else:
+                rows = [int(i) for i in order[: k + 1, j]]
+                plan = self._build(R, rows, use_tree[:, j], gain[:, j], int(j), float(seconds[k, j]))
+                rate = float(rates[k, j])
+        if AR in plan.modes and self.grid[0] <= cap:
+            self._probe(plan, slots, et, ec, t, int(np.searchsorted(self.grid, cap, side="right")))
+        self.rate = rate
+        self.rounds += 1
+        self.idle[[slots[i] for i, m in enumerate(plan.modes) if m == AR]] += 1
+        return plan
+
+    def _rates(self, R: int, gain: np.ndarray, use_tree: np.ndarray, t: dict, cols: int):
+        """[R, cols] predicted tokens/s when the first k+1 rows by gain draft at window column j,
+        the row order per column, and the seconds."""
+        order = np.argsort(-gain, axis=0, kind="stable")
+        tokens = R + np.cumsum(np.take_along_axis(gain, order, 0), 0)
+        kt = np.cumsum(np.take_along_axis(use_tree, order, 0), 0)  # tree rows among the first k+1
+        verify = np.where(kt > 0, t["verify_tree"][:, :cols], t["verify_chain"][:, :cols])
+        build = np.where(kt > 0, t["tree"][np.maximum(kt - 1, 0), np.arange(cols)], 0.0)
+        seconds = verify + t["draft"][:, :cols] + build + t["over_spec"]
+        return tokens / seconds, order, seconds
+
+    def _pool_ratio(self, slots: list[int], t: dict, rate: float, cap: int) -> float:
+        """Best drafting rate over AR's if these requests were typical of their classes: where
+        their forecasts drift while they take AR steps, so how long an all-AR plan may hold."""
+        cols = int(np.searchsorted(self.grid, cap, side="right"))
+        et = np.clip(self.fc_pool_t[slots][:, :cols], 0.0, self.depth)
+        ec = self.fc_pool_c[slots][:, np.minimum(self.grid[:cols], self.depth) - 1]
+        use_tree = et > ec
+        rates = self._rates(len(slots), np.where(use_tree, et, ec), use_tree, t, cols)[0]
+        return float(rates.max()) / rate
+
+    def _hold(self, ids: list[str], plan: RoundPlan, ratio: float) -> None:
+        """Reuse this all-AR plan for the next rounds: none when drafting for typical requests of
+        these classes would be within 10% of paying (ratio = its best rate over AR's), up to
+        MAX_HOLD when it would halve the rate."""
+        self.hold = (ids, plan)
+        self.hold_left = int(MAX_HOLD * min(1.0, max(0.0, (0.9 - ratio) / 0.4)))
+
+    def _build(self, R: int, rows: list[int], use_tree: np.ndarray, gain: np.ndarray, column: int,
+               seconds: float) -> RoundPlan:
+        size = int(self.grid[column])
+        modes, predicted = [AR] * R, [0.0] * R
+        tree = [i for i in rows if use_tree[i]]
+        chain = [i for i in rows if not use_tree[i]]
+        for i in rows:
+            modes[i] = TREE if use_tree[i] else CHAIN
+            predicted[i] = float(gain[i])
+        length = min(size, self.depth)
+        return RoundPlan(modes, window=1 + (size if tree else length), budget=size if tree else 0,
+                         chain=length if chain else 0, depth=length, draft_rows=tree + chain, tree_rows=len(tree),
+                         predicted=predicted, seconds=seconds, learn=True, column=column)
+
+    def _seconds(self, t: dict, k: int, kt: int, j: int) -> float:
+        """Predicted round seconds with k drafting rows, kt of them trees, at grid column j."""
+        if k == 0:
+            return t["ar"]
+        s = (t["verify_tree"] if kt else t["verify_chain"])[0, j] + t["draft"][k - 1, j] + t["over_spec"]
+        return float(s + (t["tree"][kt - 1, j] if kt else 0.0))
+
+    def _probe(self, plan: RoundPlan, slots: list[int], et: np.ndarray, ec: np.ndarray, t: dict, cols: int) -> None:
+        """Let the AR row unobserved longest draft too, when the probe credit pays for it."""
+        self.credit = min(self.credit + PROBE_SHARE * plan.seconds, 4 * plan.seconds + 1.0)
+        idle = [i for i, m in enumerate(plan.modes) if m == AR]
+        i = min(idle, key=lambda r: self.last_seen[slots[r]])
+        if plan.drafting:
+            j, tree = plan.column, plan.tree_rows > 0
+            seconds = self._seconds(t, plan.drafting + 1, plan.tree_rows + tree, j)
+        else:
+            j, tree = min(int(np.searchsorted(self.grid, 4)), cols - 1), True
+            seconds = self._seconds(t, 1, 1, j)
+        extra = seconds - plan.seconds
+        if self.credit < extra:
+            return
+        self.credit -= extra
+        self.hold_left = 0  # this plan is no longer all-AR
+        size = int(self.grid[j])
+        if not plan.drafting:
+            plan.window, plan.budget, plan.depth, plan.column = size + 1, size, min(size, self.depth), j
+        plan.seconds = seconds
+        plan.probes.append(i)
+        if tree:
+            plan.modes[i] = TREE
+            plan.draft_rows.insert(plan.tree_rows, i)
+            plan.tree_rows += 1
+            plan.predicted[i] = float(et[i, j])
+        else:
+            plan.modes[i] = CHAIN
+            plan.draft_rows.append(i)
+            plan.predicted[i] = float(ec[i, plan.chain - 1])
+
+    # ---- learning ---------------------------------------------------------------------------
+
+    def curve_columns(self, plan: RoundPlan) -> int:
+        """Tree-curve columns the round reads back: the grid sizes up to the tree's budget."""
+        return int(np.searchsorted(self.grid, plan.budget, side="right")) if plan.budget else 0
+
+    def observe(self, plan: RoundPlan, slots: list[int], extras: np.ndarray | None, accepted: list[int]) -> None:
+        """Fold in a round's outcome. extras [drafting, 2 * cols + 5 * depth], per drafting row (see
+        runner.round_extras): spine nodes and branch reach of the top-b tree at the grid columns,
+        the spine reach per depth, then per depth and kind the drafter's predicted accepted nodes
+        and the observed ones. accepted: drafted tokens accepted, per batch row."""
+        if extras is None or not plan.drafting:
+            return
+        rows = plan.draft_rows
+        k = len(rows)
+        ds = [slots[i] for i in rows]
+        classes = [self.cls[s] for s in ds]
+        cols, D = self.curve_columns(plan), plan.depth
+        spine_nodes, branch = extras[:, :cols], extras[:, cols : 2 * cols]
+        reach = extras[:, 2 * cols : 2 * cols + D]
+        pred = extras[:, 2 * cols + D : 2 * cols + 3 * D].reshape(k, D, 2)
+        obs = extras[:, 2 * cols + 3 * D :].reshape(k, D, 2)
+        self.calibration.update(ds, classes, obs, pred, self.idle[ds])
+        self.last_seen[ds] = self.rounds
+        self.idle[ds] = 0
+        r = np.full((k, self.depth), np.nan)
+        r[:, :D] = reach
+        self.reach[ds] = r
+        self.reach_mean[ds] = blend(self.reach_mean[ds], r, MEAN_RATE)
+        nt = plan.tree_rows
+        sn, br = np.full((nt, len(self.grid)), np.nan), np.full((nt, len(self.grid)), np.nan)
+        if nt and cols:
+            sn[:, :cols], br[:, :cols] = spine_nodes[:nt], branch[:nt]
+            tree_slots = ds[:nt]
+            self.spine_nodes_last[tree_slots], self.branch_last[tree_slots] = sn, br
+            self.spine_nodes[tree_slots] = blend(self.spine_nodes[tree_slots], sn, MEAN_RATE)
+            self.branch[tree_slots] = blend(self.branch[tree_slots], br, MEAN_RATE)
+        for cls in set(classes):
+            mine = [i for i, x in enumerate(classes) if x == cls]
+            pool = self._pool(cls)
+            pool["reach"] = blend(pool["reach"][None], r[mine].mean(0)[None], POOL_RATE)[0]
+            trees = [i for i in mine if i < nt]
+            if trees and cols:
+                pool["spine_nodes"] = blend(pool["spine_nodes"][None], sn[trees].mean(0)[None], POOL_RATE)[0]
+                pool["branch"] = blend(pool["branch"][None], br[trees].mean(0)[None], POOL_RATE)[0]
+        self._refresh(ds)
+        # The streak: what was accepted against what this very draft forecast, under the new
+        # calibration; and the class's record of accepted against planned.
+        got = np.array([accepted[i] for i in rows], dtype=float)
+        same = np.array([self.fc_last_t[s, plan.column] if i < nt else self.fc_last_c[s, plan.chain - 1]
+                         for i, s in enumerate(ds)])
+        self.streak[ds] = STREAK_DECAY * self.streak[ds] + np.stack([got, same], 1)
+        for i in range(k):
+            self._pool(classes[i])["record"][0 if i < nt else 1] += (got[i], plan.predicted[rows[i]])
+        if nt and cols >= 2:  # rho[m] = increment m+1 over increment m of the calibrated tree curve
+            for cls in set(classes[:nt]):
+                mine = [i for i in range(nt) if classes[i] == cls]
+                curve = self.fc_last_t[[ds[i] for i in mine]][:, :cols].mean(0)
+                inc = np.diff(np.concatenate([[0.0], curve]))
+                ratio = np.divide(inc[1:], inc[:-1], out=np.full(cols - 1, RHO_PRIOR), where=inc[:-1] > 1e-6)
+                rho = self._pool(cls)["rho"]
+                rho[: cols - 1] += POOL_RATE * (np.clip(ratio, 0.0, 1.5) - rho[: cols - 1])
+
+
+def blend(mean: np.ndarray, new: np.ndarray, rate: float) -> np.ndarray:
+    """EMA step where `new` is known; entries `mean` lacks take `new` as is; NaN in new keeps mean."""
+    stepped = np.where(np.isnan(mean), new, mean + rate * (new - mean))
+    return np.where(np.isnan(new), mean, stepped)
+
+
+def extend_tree(curve: np.ndarray, rho: np.ndarray) -> np.ndarray:
+    """Fill unknown grid columns: each adds rho times the previous column's increment."""
+    et = curve.copy()
+    et[:, 0] = np.where(np.isnan(et[:, 0]), 0.0, et[:, 0])
+    for j in range(1, et.shape[1]):
+        prev = et[:, j - 1] - (et[:, j - 2] if j >= 2 else 0.0)
+        fill = et[:, j - 1] + np.maximum(prev, 0.0) * rho[:, j - 1]
+        et[:, j] = np.where(np.isnan(et[:, j]), fill, et[:, j])
+    return et
+
+
+def extend_reach(reach: np.ndarray) -> np.ndarray:
+    """Fill unknown depths of spine reach: each further depth multiplies by the last conditional
+    (reach_d / reach_{d-1}, the root's reach being 1)."""
+    out = reach.copy()
+    out[:, 0] = np.where(np.isnan(out[:, 0]), SPINE_PRIOR, out[:, 0])
+    for d in range(1, out.shape[1]):
+        before = out[:, d - 2] if d >= 2 else np.ones(len(out))
+        ratio = np.clip(np.divide(out[:, d - 1], before, out=np.zeros(len(out)), where=before > 1e-12), 0.0, 0.98)
+        out[:, d] = np.where(np.isnan(out[:, d]), out[:, d - 1] * ratio, out[:, d])
+    return out

@@ -1,0 +1,403 @@
+"""budget="auto": the speculation policy. It never changes output, drafts only for the requests it
+speculates for, goes to AR when drafts stop paying (and probes its way back), sizes trees from
+the cost model, and caches that model on disk. Also the exactness of the trees it builds: cut,
+per-row and depth-trimmed builds equal smaller builds, and mixed windows hold their parts."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from flashtree import LLM, EngineConfig, LLMEngine, SamplingParams
+from flashtree.engine import cost_model
+from flashtree.engine.cost_model import CostModel, Grid
+from flashtree.engine.policy import AR, CHAIN, TREE, Policy, RoundPlan
+from flashtree.engine.sequence import Request
+from flashtree.tree import build_chain, build_tree
+from flashtree.tree.budget import expected_accepts, truncate
+from flashtree.tree.mix import cat_rows, pad_spec, place_rows, root_only
+from flashtree.tree.value import node_kinds, node_reach, spine_mask, value_curve
+from tiny import make_drafter, make_target
+
+FIELDS = ("tokens", "parents", "depths", "sizes", "scores")
+
+
+def _same(a, b, rows=None) -> None:
+    for f in FIELDS:
+        x, y = getattr(a, f), getattr(b, f)
+        x = x.expand_as(a.tokens) if x.dim() == 2 else x
+        y = y.expand_as(b.tokens) if y.dim() == 2 else y
+        if rows is not None:
+            x = x[rows]
+        assert torch.equal(x, y), f
+
+
+# ---- exact trees ------------------------------------------------------------------------
+
+def test_truncate_equals_building_smaller():
+    """Cutting a budget-40 tree to b nodes gives exactly the budget-b tree (ties included)."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        D, V = int(torch.randint(1, 7, (1,), generator=g)), int(torch.randint(2, 9, (1,), generator=g))
+        logits = torch.randn(3, D, V, generator=g) * 3
+        if trial % 4 == 0:
+            logits = logits.round()  # exact ties
+        big = build_tree(torch.tensor([1, 2, 3]), logits, 40)
+        for b in (1, 2, 5, 13, 39):
+            _same(truncate(big, b), build_tree(torch.tensor([1, 2, 3]), logits, b))
+
+
+def test_partial_trees_equal_smaller_builds():
+    """A per-row budget tensor under a static max builds each row's own smaller tree (padded), and
+    scoring only the first b depths (the policy trims the drafter's LM head) changes nothing:
+    a b-node tree is at most b deep."""
+    g = torch.Generator().manual_seed(1)
+    for trial in range(40):
+        D, V = int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(2, 12, (1,), generator=g))
+        logits = torch.randn(4, D, V, generator=g) * 3
+        if trial % 3 == 0:
+            logits = logits.round()
+        roots = torch.tensor([5, 6, 7, 8])
+        budgets = torch.randint(1, 20, (4,), generator=g)
+        mixed = build_tree(roots, logits, budgets, max_budget=20)
+        for r in range(4):
+            b = int(budgets[r])
+            alone = pad_spec(build_tree(roots[r : r + 1], logits[r : r + 1], b), 21)
+            for f in ("tokens", "parents", "depths", "scores"):
+                assert torch.equal(getattr(mixed, f)[r], getattr(alone, f)[0]), (trial, r, f)
+            assert int(mixed.sizes[r]) == int(alone.sizes[0])
+        for b in range(1, D + 1):
+            _same(build_tree(roots, logits[:, :b], b), build_tree(roots, logits, b))
+
+
+def test_mixed_window_holds_its_parts():
+    """Tree rows, chain rows and lone roots placed into one window keep every node of their own
+    builds, and the lone roots are plain AR rows (one node, the rest padding)."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(5, 6, 9, generator=g) * 2
+    roots = torch.arange(10, 15)
+    rows = torch.tensor([3, 0, 4])  # batch rows: two trees, then one chain
+    tree = build_tree(roots[rows[:2]], logits[:2], 7)
+    chain = build_chain(roots[rows[2:]], logits[2:3, :4])
+    lp = torch.log_softmax(logits[2:3, :4], -1).amax(-1).cumsum(1)
+    chain.scores = torch.cat([torch.zeros(1, 1), lp], 1)
+    part = cat_rows([pad_spec(tree, 8), pad_spec(chain, 8)])
+    window = place_rows(root_only(roots, 8), rows, part)
+    _same(window, pad_spec(tree, 8), rows=rows[:2])
+    assert torch.equal(window.tokens[4, :5], chain.tokens[0])
+    assert torch.equal(window.parents[4, :5], torch.arange(-1, 4))
+    for r in (1, 2):
+        assert window.tokens[r, 0] == roots[r] and (window.tokens[r, 1:] == -1).all() and window.sizes[r] == 1
+
+
+def test_node_values_and_curves():
+    """The value curve of the nodes' reach is the drafter's own expected acceptance per budget, and
+    the spine is exactly the nodes whose every token is its depth's top-1."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 5, 7, generator=g) * 2
+    spec = build_tree(torch.tensor([0, 1, 2]), logits, 24)
+    assert torch.allclose(value_curve(spec, node_reach(spec)), expected_accepts(spec), atol=1e-5)
+    top = logits.argmax(-1)
+    for r in range(3):
+        for i in range(1, int(spec.sizes[r])):
+            path, n = [], i
+            while n > 0:
+                path.append(n)
+                n = int(spec.parents[r, n])
+            on = all(int(spec.tokens[r, m]) == int(top[r, int(spec.depths[r, m]) - 1]) for m in path)
+            assert bool(spine_mask(spec)[r, i]) == on
+    assert torch.equal(node_kinds(spec) == 0, spine_mask(spec))
+
+
+def test_observed_acceptance_is_the_walks_expectation():
+    """The calibration's observation: with argmax picks, each node's reach (picks matching down
+    its path) counted by depth and kind is exactly what the walk accepts; with sampled picks, the
+    product of the target's probabilities down the path is the walk's mean (Monte Carlo)."""
+    from flashtree.tree import accept_walk
+    from flashtree.tree.value import depth_mass, path_reach, walked_mass
+
+    g = torch.Generator().manual_seed(4)
+    V, D = 5, 4
+    spec = build_tree(torch.tensor([0, 1]), torch.randn(2, D, V, generator=g) * 2, 12)
+    kinds = node_kinds(spec)
+    parent, token = spec.parents.clamp(min=0), spec.tokens.clamp(min=0)
+    real = (spec.tokens >= 0) & (torch.arange(spec.num_nodes) > 0)
+    for trial in range(20):
+        picks = torch.randint(0, V, spec.tokens.shape, generator=g)
+        picks[:, 0] = torch.where(torch.rand(2, generator=g) < 0.7, spec.tokens[:, 1], picks[:, 0])
+        edge = torch.where(picks.gather(1, parent) == spec.tokens, 0.0, float("-inf"))
+        reach = torch.where(real, path_reach(spec, edge).exp(), 0.0)
+        walk = accept_walk(spec, picks)
+        assert torch.equal(depth_mass(spec, kinds, reach, D), walked_mass(spec, kinds, walk.path, D))
+    probs = torch.softmax(torch.randn(2, spec.num_nodes, V, generator=g), -1)
+    edge = probs.log().flatten(1).gather(1, parent * V + token)
+    reach = torch.where(real, path_reach(spec, edge).exp(), 0.0)
+    expected = depth_mass(spec, kinds, reach, D)
+    total = torch.zeros_like(expected)
+    n = 4000
+    for _ in range(n):
+        picks = torch.multinomial(probs.view(-1, V), 1, generator=g).view(2, -1)
+        total += walked_mass(spec, kinds, accept_walk(spec, picks).path, D)
+    assert torch.allclose(total / n, expected, atol=0.03)
+
+
+# ---- the policy on synthetic costs --------------------------------------------------------
+
+def _cost(per_node: float, fixed: float = 0.010, draft: float = 0.004, rows: int = 16) -> CostModel:
+    windows = [1, 2, 3, 5, 9, 17, 33, 65]
+    rs = [1, rows]
+    verify = Grid(rs, windows, [[fixed + per_node * r * n for n in windows] for r in rs])
+    return CostModel(verify, Grid(rs, [0, 15], [[draft * r, draft * r * 1.2] for r in rs]),
+                     Grid([1, rows], [4, 64], [[1e-4, 2e-4], [1e-4 * rows, 2e-4 * rows]]),
+                     Grid(rs, [0, 1], [[0, 0], [0, 0]]), {"rows": rows, "window": 65, "budget": 64})
+
+
+def _requests(n: int, temperature: float = 0.0) -> list[Request]:
+    reqs = [Request([1, 2], SamplingParams(temperature=temperature)) for _ in range(n)]
+    for i, r in enumerate(reqs):
+        r.slot = i
+    return reqs
+
+
+def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float) -> None:
+    """Pretend the round ran, with a drafter whose spine reach is 0.8^depth and whose trees are
+    chains, and a target that accepts each spine node with probability `accept`."""
+    D, k = max(plan.depth, 1), plan.drafting
+    cols = policy.curve_columns(plan)
+    raw = 0.8 ** np.arange(1, D + 1)
+    extras = np.zeros((k, 2 * cols + 5 * D))
+    extras[:, :cols] = np.minimum(policy.grid[:cols], D)  # spine nodes in the top-b tree
+    extras[:, 2 * cols : 2 * cols + D] = raw
+    extras[:, 2 * cols + D : 2 * cols + 3 * D : 2] = raw  # predicted, spine kind
+    extras[:, 2 * cols + 3 * D :: 2] = raw * accept  # observed, spine kind
+    accepted = [int(round(accept * min(D, 15))) if m != AR else 0 for m in plan.modes]
+    policy.observe(plan, [r.slot for r in reqs], extras, accepted)
+
+
+def test_choice_follows_cost_and_batch():
+    """Cheap verify nodes buy big windows; expensive ones small windows or AR; and the same
+    acceptance that pays for trees at batch 1 buys a smaller window at batch 16."""
+    reqs = _requests(1)
+    cheap = Policy(_cost(1e-5), 16, 16, 64, 4096).plan(reqs)
+    steep = Policy(_cost(2e-2), 16, 16, 64, 4096).plan(reqs)
+    assert cheap.window > 8 and cheap.drafting == 1
+    assert steep.window <= 2 or steep.drafting == 0
+    one = Policy(_cost(2e-4), 16, 16, 64, 4096)
+    many = Policy(_cost(2e-4), 16, 16, 64, 4096)
+    w1 = np.median([one.plan(reqs).window for _ in range(20)])
+    w16 = np.median([many.plan(_requests(16)).window for _ in range(20)])
+    assert w16 < w1
+
+
+def test_collapse_goes_to_ar_and_probes_back():
+    """When nothing drafted is ever accepted the policy stops drafting, yet it keeps probing now and
+    then (a small share of rounds), and once drafts are accepted again it speculates again."""
+    policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
+    reqs = _requests(1, temperature=1.0)
+    modes = []
+    for _ in range(400):
+        plan = policy.plan(reqs)
+        modes.append(plan.modes[0])
+        _feed(policy, plan, reqs, accept=0.0)
+    late = modes[100:]
+    assert late.count(AR) / len(late) > 0.9
+    assert any(m != AR for m in late)  # still probing
+    for _ in range(300):  # the drafter turns right: the next probes see it
+        plan = policy.plan(reqs)
+        modes.append(plan.modes[0])
+        _feed(policy, plan, reqs, accept=1.0)
+    assert modes[-50:].count(AR) < 10
+
+
+# ---- the engine -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("policy")
+    target = make_target(root / "t", vocab=16, logit_scale=3.0)
+    return target, make_drafter(root / "d", target_layers=4, vocab=16, block_size=8)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_auto_is_lossless(pair, batch):
+    """Greedy output under the policy equals AR's at several batch sizes (whatever it chose)."""
+    target, drafter = pair
+    prompts = [[1, 2, 3], [4, 5], list(range(1, 13)), [7], [8, 9, 10], [2, 2], [3, 1, 4, 1, 5], [6, 6, 6], [9]]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    ref = LLM(str(target), None, method="ar", device="cpu", max_model_len=128).generate(prompts, params)
+    llm = LLM(str(target), str(drafter), device="cpu", max_model_len=128, max_batch=batch, max_budget=32)
+    assert llm.engine.runner.policy is not None  # auto is the default
+    out = llm.generate(prompts, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    stats = out[0].stats
+    assert len(stats.modes) == len(stats.draft_sizes) == len(stats.predicted_accepts) == stats.rounds
+    assert set(stats.modes) <= {"ar", "chain", "tree"}
+    assert llm.engine.runner.cache.lengths.count(0) < batch + 1
+
+
+def test_auto_on_hybrid_target(tmp_path):
+    """The startup measurement resets recurrent state too: output still equals AR."""
+    from test_qwen3_5 import make_qwen35
+
+    target, _ = make_qwen35(tmp_path / "t", logit_scale=3.0)
+    cfg = __import__("json").loads((target / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    drafter = make_drafter(tmp_path / "d", target_layers=text["num_hidden_layers"], vocab=text["vocab_size"],
+                           hidden=text["hidden_size"], block_size=6)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    ref = LLM(str(target), None, method="ar", device="cpu", max_model_len=96).generate(prompts, params)
+    out = LLM(str(target), str(drafter), budget="auto", max_budget=32, device="cpu",
+              max_model_len=96).generate(prompts, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+
+
+def test_ar_when_acceptance_collapses(tmp_path, monkeypatch):
+    """A drafter that is wrong by construction (random weights over a vocabulary where the target
+    is near-deterministic): output still equals AR, the policy ends up on AR steps, and the
+    drafter only ever runs on the rows that speculate (its calls are counted with their rows).
+    The cost model is a fixed synthetic one, so the decisions do not depend on this machine's timing."""
+    target = make_target(tmp_path / "t", vocab=64, logit_scale=6.0)
+    drafter = make_drafter(tmp_path / "d", target_layers=4, vocab=64, block_size=8, seed=7)
+    prompts = [[i, i + 1, i + 2] for i in range(1, 9)]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    ref = LLM(str(target), None, method="ar", device="cpu", max_model_len=128).generate(prompts, params)
+    llm = LLM(str(target), str(drafter), device="cpu", max_model_len=128, max_batch=4, max_budget=32)
+    runner = llm.engine.runner
+    runner.policy.cost = _cost(2e-4, rows=4)
+    monkeypatch.setattr(CostModel, "refine", lambda *a, **k: None)
+    calls: list[int] = []
+    forward = runner.drafter.forward
+    runner.drafter.forward = lambda noise, ctx: (calls.append(noise.shape[0]), forward(noise, ctx))[1]
+    rounds: list[tuple[int, int, int]] = []  # (rows, speculating rows, drafter rows) per round
+    step = runner.step
+
+    def counted(reqs):
+        before = len(calls)
+        out = step(reqs)
+        rounds.append((len(reqs), runner.last_plan.drafting, sum(calls[before:])))
+        return out
+
+    runner.step = counted
+    out = llm.generate(prompts, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert all(drafter_rows == drafting for _, drafting, drafter_rows in rounds)
+    late = rounds[len(rounds) // 3 :]
+    assert sum(d for _, d, _ in late) <= 0.1 * sum(r for r, _, _ in late)
+    modes = [m for o in out for m in o.stats.modes]
+    assert modes.count("ar") / len(modes) > 0.8
+
+
+def test_deferred_context_equals_full_prefill(tmp_path):
+    """A request alternating AR steps (its drafter context held back) and drafts ends with the same
+    drafter cache as a single prefill of its whole text would give (float64)."""
+    from flashtree.engine.policy import fixed_plan
+
+    target = make_target(tmp_path / "t", vocab=32, logit_scale=3.0)
+    drafter = make_drafter(tmp_path / "d", target_layers=4, vocab=32, block_size=6)
+    engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", dtype="float64",
+                                    max_model_len=160, max_batch=2, max_budget=8))
+    runner = engine.runner
+    turn = iter(range(10_000))
+
+    def plan(reqs):
+        runner.policy.plan(reqs)  # keep the policy's own bookkeeping going
+        k = next(turn)
+        p = fixed_plan(len(reqs), "ddtree", 6, 5) if k % 7 in (3, 6) else fixed_plan(len(reqs), "ar", 6, 5)
+        if k % 7 == 5:  # one row drafts, the other does not
+            p = fixed_plan(len(reqs), "ddtree", 6, 5)
+            p.modes[0], p.draft_rows, p.tree_rows = AR, list(range(1, len(reqs))), len(reqs) - 1
+        return p
+
+    runner.plan = plan
+    reqs = [engine.add_request([1, 2, 3], SamplingParams(max_tokens=90, ignore_eos=True)),
+            engine.add_request([4, 5], SamplingParams(max_tokens=90, ignore_eos=True))]
+    held_back = 0
+    while engine.has_unfinished:
+        engine.step()
+        held_back = max(held_back, *runner.deferred.counts)
+        if all(len(r.output_ids) >= 60 for r in reqs):
+            break
+    assert held_back >= 3  # the drafter context did lag and catch up
+    for req in reqs:
+        ids = req.prompt_ids + req.output_ids[:-1]
+        held = runner.deferred.counts[req.slot]
+        if held:
+            runner.append_held(runner.deferred.groups([req.slot]), runner.staging.upload(
+                {f"held{held}": [req.slot], f"held{held}_starts": [runner.draft_cache.lengths[req.slot]]}))
+        n = runner.draft_cache.lengths[req.slot]
+        assert n == runner.cache.lengths[req.slot] == len(ids)
+        fresh = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", dtype="float64",
+                                       max_model_len=160, max_batch=1, budget=4))
+        fresh.runner.seat(0, None, 0)
+        fresh.runner.prefill(Request(ids, SamplingParams(), slot=0), len(ids))
+        for layer in range(runner.draft_cache.k.shape[0]):
+            assert torch.allclose(runner.draft_cache.k[layer, req.slot, :n], fresh.runner.draft_cache.k[layer, 0, :n],
+                                  atol=1e-9)
+
+
+# ---- the cost cache ---------------------------------------------------------------------
+
+def test_cost_cache_is_written_reused_and_invalidated(pair, tmp_path):
+    """The first engine measures and writes the cache; the next one with the same target, drafter,
+    device, dtype and threads reads it without measuring; replacing the weights (a new mtime) or
+    changing the thread count measures again."""
+    target, drafter = pair
+    cfg = dict(target=str(target), drafter=str(drafter), device="cpu", max_model_len=64, max_budget=16,
+               cost_cache=str(tmp_path / "cache"))
+    before = cost_model.measurements
+    first = LLMEngine(EngineConfig(**cfg)).runner
+    assert first.policy.cost.source == "measured" and cost_model.measurements == before + 1
+    assert first.cost_path.is_file() and first.cost_path.is_relative_to(tmp_path / "cache")
+    again = LLMEngine(EngineConfig(**cfg)).runner
+    assert again.policy.cost.source == "cache" and cost_model.measurements == before + 1
+    assert np.allclose(again.policy.cost.verify.values, first.policy.cost.verify.values)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert LLMEngine(EngineConfig(**cfg)).runner.policy.cost.source == "measured"
+    finally:
+        torch.set_num_threads(threads)
+    weights = next(target.glob("*.safetensors"))
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert LLMEngine(EngineConfig(**cfg)).runner.policy.cost.source == "measured"
+    assert cost_model.measurements == before + 3
+    # The startup measurement left every slot empty.
+    assert again.cache.lengths == [0] * 8
+
+
+def test_cost_cache_location(monkeypatch, tmp_path):
+    """$FLASHTREE_CACHE_DIR wins, then $XDG_CACHE_HOME/flashtree, then ~/.cache/flashtree; "off" disables."""
+    monkeypatch.setenv("FLASHTREE_CACHE_DIR", str(tmp_path / "a"))
+    assert cost_model.cache_dir(None) == tmp_path / "a"
+    monkeypatch.delenv("FLASHTREE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert cost_model.cache_dir(None) == tmp_path / "x" / "flashtree"
+    assert cost_model.cache_dir(str(tmp_path / "b")) == tmp_path / "b"
+    assert cost_model.cache_dir("off") is None
+
+
+def test_metrics_expose_the_policy():
+    """/metrics counts each request-round's choice and histograms its drafted nodes, the accepted
+    drafted tokens the policy expected, and those the target accepted (speculating rounds only)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from flashtree.engine.llm_engine import RoundInfo
+    from flashtree.server.metrics import ServerMetrics
+
+    info = RoundInfo(3, 0.01, [4, 1, 2], ["tree", "ar", "chain"], [16, 0, 15], [2.5, 0.0, 1.25])
+    engine = SimpleNamespace(stats=lambda: SimpleNamespace(last_round=info))
+    m = ServerMetrics()
+    m.observe_round(engine, [])
+    text = generate_latest(m.registry).decode()
+    for line in ('flashtree_policy_rounds_total{choice="tree"} 1.0', 'flashtree_policy_rounds_total{choice="ar"} 1.0',
+                 'flashtree_policy_rounds_total{choice="chain"} 1.0', "flashtree_policy_draft_nodes_count 3.0",
+                 "flashtree_policy_draft_nodes_sum 31.0", "flashtree_policy_predicted_accepted_sum 3.75",
+                 "flashtree_policy_predicted_accepted_count 2.0", "flashtree_policy_accepted_sum 4.0"):
+        assert line in text, line
