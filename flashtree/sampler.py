@@ -31,6 +31,7 @@ from torch import Tensor
 from flashtree.sampling import SamplingParams
 
 CANDIDATES = (64, 1024)  # top-p seeks its nucleus among this many tokens before sorting the vocabulary
+ADAPTIVE_ON_CPU = True  # tests turn it off to run the accelerator path (see _adaptive) on the CPU
 M32 = 0xFFFFFFFF
 NEG_INF = float("-inf")
 
@@ -168,9 +169,9 @@ def pick(logits: Tensor, batch: SamplingBatch, positions: Tensor, span: int | No
     predict, i.e. the node's own position + 1. span: a bound on the distinct positions per row
     (max - min < span; the tree's depth bound + 1), so plain rows hash noise once per position
     instead of once per node; None = N. Greedy rows take the argmax (ties: lowest id).
-    Host reads: none for greedy and temperature-only rows, nor when the first candidate level
-    is the whole vocabulary; otherwise top-k/top-p rows read a few small masks (was every node
-    settled by its candidates?).
+    Host reads: none off the CPU. On the CPU, top-k/top-p rows at V > 64 may read a few small
+    masks (was every node settled by its candidates?), where a read is free and a full sort of
+    the vocabulary is not (see _adaptive).
     """
     R, N, _ = logits.shape
     picks = logits.argmax(-1) if batch.greedy_rows else torch.empty(R, N, dtype=torch.long, device=logits.device)
@@ -213,12 +214,14 @@ def _draw_restricted(logits: Tensor, rows: SampledRows, positions: Tensor, span:
     x, probs, first = _restricted(logits, rows)
     pkeys = position_keys(rows.key, positions).view(-1)
     out = torch.empty(S * N, dtype=torch.long, device=logits.device)
-    for nodes, ids, keep in _decide(probs, _node_top_p(rows, N), _levels(rows, V), first):
+    for nodes, ids, keep in _decide(probs, _node_top_p(rows, N), _levels(rows, V, x.device), first):
         xs, pk = (x, pkeys) if nodes is None else (x[nodes], pkeys[nodes])
         if ids is None:  # decided by the full sort: the whole vocabulary competes
-            if span is not None and len(nodes) > S * span:
+            if span is not None and (S * N if nodes is None else len(nodes)) > S * span:
                 table, row = _vocab_noise(rows.key, positions, span, V, x.dtype)
-                noise = table[nodes] if row is None else table[row[nodes]]
+                if nodes is not None:
+                    row = nodes if row is None else row[nodes]
+                noise = table if row is None else table[row]
             else:
                 noise = gumbel_noise(pk[:, None], torch.arange(V, device=x.device), x.dtype)
             tokens = (torch.where(keep, xs, NEG_INF) + noise).argmax(-1)
@@ -247,7 +250,8 @@ def processed_logprobs(logits: Tensor, batch: SamplingBatch) -> Tensor:
         else:
             x, probs, first = _restricted(sub, rows)
             if rows.use_top_p:
-                x = x.masked_fill(~_kept(probs, _decide(probs, _node_top_p(rows, N), _levels(rows, V), first)), NEG_INF)
+                levels = _levels(rows, V, x.device)
+                x = x.masked_fill(~_kept(probs, _decide(probs, _node_top_p(rows, N), levels, first)), NEG_INF)
         lp = torch.log_softmax(x, -1).view(S, N, V)
         if rows.index is None:
             out = lp
@@ -288,9 +292,20 @@ def _max_top_k(rows: SampledRows, V: int) -> int:
     return max((k for k in rows.top_ks if 0 < k < V), default=0)
 
 
-def _levels(rows: SampledRows, V: int) -> list[int]:
+def _adaptive(device: torch.device) -> bool:
+    """Whether top-k/top-p may settle nodes from a few candidates and fall back to sorting only
+    the nodes those leave undecided. Picking those nodes is a host read: free on the CPU, where
+    a full sort of 151,936 logits per node is not; on an accelerator the reverse holds, and the
+    round must make no read before its end, so there a top-p row sorts its vocabulary outright."""
+    return device.type == "cpu" and ADAPTIVE_ON_CPU
+
+
+def _levels(rows: SampledRows, V: int, device: torch.device) -> list[int]:
     """Candidate counts to try, smallest first. kmax + 1, so that a last candidate of probability
-    0 proves nothing was left out; top-p widens through CANDIDATES before it sorts everything."""
+    0 proves nothing was left out; top-p widens through CANDIDATES before it sorts everything.
+    Without adaptive levels, top-p ranks the whole vocabulary at once."""
+    if rows.use_top_p and not _adaptive(device):
+        return [V]
     sizes = CANDIDATES if rows.use_top_p else (1,)
     return sorted({min(max(_max_top_k(rows, V) + 1, c), V) for c in sizes})
 
@@ -305,7 +320,7 @@ def _restricted(logits: Tensor, rows: SampledRows) -> tuple[Tensor, Tensor, tupl
     value: softmax is monotone, so ranking by logit ranks the probabilities alike."""
     S, N, V = logits.shape
     x = _scaled(logits, rows).view(S * N, V)
-    top, ids = x.topk(_levels(rows, V)[0], -1)
+    top, ids = x.topk(_levels(rows, V, x.device)[0], -1)
     kmax = _max_top_k(rows, V)
     if kmax:
         k = rows.top_k.clamp(1, kmax)[:, None].expand(-1, N).reshape(-1, 1)
@@ -332,6 +347,11 @@ def _decide(probs: Tensor, top_p: Tensor | None, sizes: list[int], first: tuple[
     and the consumer must overwrite what it wrote for it. Host reads: a few per level after
     the first, none when the first level is the whole vocabulary.
     """
+    if top_p is None and not _adaptive(probs.device):
+        # top-k alone: the logits are already masked to it, so the whole vocabulary competes
+        # (ties at the k-th value included) and no candidate set needs checking.
+        yield None, None, torch.ones_like(probs, dtype=torch.bool)
+        return
     nodes, to_sort = None, []
     for level, K in enumerate(sizes):
         vals, ids = first if level == 0 else _ranked(*probs[nodes].topk(K, -1))

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from flashtree import EngineConfig, LLMEngine, SamplingParams
+from flashtree import EngineConfig, LLMEngine, SamplingParams, sampler
 from flashtree.engine.runner import ModelRunner
 from tiny import make_drafter, make_target
 
@@ -38,6 +38,8 @@ def pairs(tmp_path_factory):
     text = json.loads((hybrid / "config.json").read_text())
     return {
         "dense": (dense, make_drafter(root / "dd", target_layers=4, vocab=32, block_size=6)),
+        "wide": (make_target(root / "wide", vocab=300, logit_scale=3.0),
+                 make_drafter(root / "wd", target_layers=4, vocab=300, block_size=6)),
         "hybrid": (hybrid, make_drafter(root / "hd", target_layers=text["num_hidden_layers"],
                                         vocab=text["vocab_size"], hidden=text["hidden_size"], block_size=6)),
     }
@@ -99,10 +101,14 @@ def _has_bool_index(index) -> bool:
 
 
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+@pytest.mark.parametrize("kind", ["dense", "hybrid", "wide"])
 @pytest.mark.parametrize("method,budget", [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", "auto")])
 def test_a_round_reads_the_device_once(pairs, monkeypatch, kind, method, budget, static):
-    """static: shapes padded to buckets (3 requests -> 4 rows, the 4th on the dummy slot)."""
+    """static: shapes padded to buckets (3 requests -> 4 rows, the 4th on the dummy slot).
+    wide: V = 300, past the sampler's first candidate level, on the sampler path an accelerator
+    takes (the CPU's own path may read a few masks to settle top-p, where reads are free)."""
+    if kind == "wide":
+        monkeypatch.setattr(sampler, "ADAPTIVE_ON_CPU", False)
     target, drafter = pairs[kind]
     engine = LLMEngine(EngineConfig(target=str(target), drafter=None if method == "ar" else str(drafter),
                                     method=method, budget=budget, max_budget=16, device="cpu", max_batch=3,

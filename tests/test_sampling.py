@@ -15,6 +15,7 @@ import transformers
 from scipy.stats import chisquare
 
 from flashtree import LLM, SamplingParams
+from flashtree import sampler
 from flashtree.sampler import (SamplingBatch, SamplingStage, fresh_seed, gumbel_noise, mix32, pick, position_keys, probabilities,
                                processed_logprobs, seed_key)
 from tiny import make_drafter, make_target
@@ -116,6 +117,14 @@ MIXED = [
 ]
 
 
+@pytest.fixture(params=["adaptive", "sync-free"])
+def sampler_path(request, monkeypatch):
+    """Both ways the sampler settles top-k/top-p: adaptive candidate levels with small host reads
+    (the CPU's), and the read-free full ranking an accelerator uses, forced here on the CPU."""
+    monkeypatch.setattr(sampler, "ADAPTIVE_ON_CPU", request.param == "adaptive")
+    return request.param
+
+
 def mixed_logits(V: int, seed: int = 0) -> torch.Tensor:
     """[R, N, V]: peaked rows, flat rows, and integer logits full of ties at every cutoff."""
     g = torch.Generator().manual_seed(seed)
@@ -134,7 +143,7 @@ def scaled_top_k(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("V", [7, 3000])
-def test_processed_logprobs_equal_the_definition(V):
+def test_processed_logprobs_equal_the_definition(V, sampler_path):
     """processed_logprobs == log(probabilities) row by row, in a mixed batch (greedy rows: raw
     log_softmax), including rows whose nucleus needs the full-sort fallback and tied logits."""
     logits = mixed_logits(V)
@@ -149,7 +158,7 @@ def test_processed_logprobs_equal_the_definition(V):
 
 
 @pytest.mark.parametrize("V", [7, 3000])
-def test_pick_is_gumbel_max_over_the_definition(V):
+def test_pick_is_gumbel_max_over_the_definition(V, sampler_path):
     """pick (candidates, fallback, grouped rows) == argmax over the whole vocabulary of the
     definition's kept logits plus the (seed, position, token) noise; greedy rows == argmax."""
     logits = mixed_logits(V, seed=1)
@@ -197,7 +206,7 @@ def test_noise_is_shared_by_position_not_by_node():
         assert counts[~(want > 0)].sum() == 0  # never a dropped token
 
 
-def test_wide_nuclei_fall_back_to_the_full_sort_exactly():
+def test_wide_nuclei_fall_back_to_the_full_sort_exactly(sampler_path):
     """Flat rows whose top-p nucleus is wider than every candidate level: the full-sort fallback,
     hashed per node or per position, picks what Gumbel-max over the definition picks."""
     g = torch.Generator().manual_seed(6)
