@@ -5,6 +5,8 @@ compiled kernels leak into the other's numbers; passes alternate between configu
 from other jobs on a shared machine hits every configuration alike, and each configuration keeps
 its best pass. Prompts are tokenized once here and given to both engines as token ids, so both
 decode exactly the same inputs, and the script checks that their outputs are token-identical.
+Both engines run on the same cores (0..threads-1): vLLM binds its threads there, and the
+flashtree worker pins itself there too.
 
 vLLM lives in its own virtual environment (its CPU wheel pins its own torch):
 
@@ -107,6 +109,10 @@ def run_vllm(job: dict) -> dict:
 
 def worker(job_file: str, out_file: str) -> None:
     job = json.loads(Path(job_file).read_text())
+    if job["engine"] == "flashtree" and hasattr(os, "sched_setaffinity"):
+        # vLLM binds its threads to cores 0..n-1 (VLLM_CPU_OMP_THREADS_BIND below); flashtree gets
+        # the same cores, or on a shared machine the pinned engine keeps a core other jobs leave.
+        os.sched_setaffinity(0, range(min(job["threads"], os.cpu_count() or 1)))
     result = run_vllm(job) if job["engine"] == "vllm" else run_flashtree(job)
     Path(out_file).write_text(json.dumps(result))
 
