@@ -201,23 +201,27 @@ class Policy:
         return np.clip(extend_tree(tree, rho), 0.0, self.depth), chain
 
     def _refresh(self, slots: list[int]) -> None:
-        """Recompute the forecasts of these slots."""
-        self.fc_mean_t[slots], self.fc_mean_c[slots] = self._calibrated(slots, self.reach_mean[slots],
-                                                                        self.spine_nodes[slots], self.branch[slots])
+        """Recompute the forecasts of these slots: from their means, their classes' pools and their
+        last drafts, in one calibrated pass (this runs every drafting round)."""
+        k = len(slots)
         pools = [self._pool(self.cls[s]) for s in slots]
-        self.fc_pool_t[slots], self.fc_pool_c[slots] = self._calibrated(
-            slots, np.stack([p["reach"] for p in pools]), np.stack([p["spine_nodes"] for p in pools]),
-            np.stack([p["branch"] for p in pools]))
         last = self.reach[slots]
         has = ~np.isnan(last[:, 0])
         self.has_last[slots] = has
+        # The last tree's structure where it was that big, the mean's beyond.
+        sn, br = self.spine_nodes_last[slots], self.branch_last[slots]
+        known = ~np.isnan(sn)
+        reach = np.concatenate([self.reach_mean[slots], np.stack([p["reach"] for p in pools]),
+                                np.where(has[:, None], last, self.reach_mean[slots])])
+        spine = np.concatenate([self.spine_nodes[slots], np.stack([p["spine_nodes"] for p in pools]),
+                                np.where(known, sn, self.spine_nodes[slots])])
+        branch = np.concatenate([self.branch[slots], np.stack([p["branch"] for p in pools]),
+                                 np.where(known, br, self.branch[slots])])
+        t, c = self._calibrated(list(slots) * 3, reach, spine, branch)
+        self.fc_mean_t[slots], self.fc_mean_c[slots] = t[:k], c[:k]
+        self.fc_pool_t[slots], self.fc_pool_c[slots] = t[k : 2 * k], c[k : 2 * k]
         if has.any():
-            # The last tree's structure where it was that big, the mean's beyond.
-            sn, br = self.spine_nodes_last[slots], self.branch_last[slots]
-            known = ~np.isnan(sn)
-            t, c = self._calibrated(slots, np.where(has[:, None], last, self.reach_mean[slots]),
-                                    np.where(known, sn, self.spine_nodes[slots]), np.where(known, br, self.branch[slots]))
-            self.fc_last_t[slots], self.fc_last_c[slots] = t, c
+            self.fc_last_t[slots], self.fc_last_c[slots] = t[2 * k :], c[2 * k :]
 
     def _curves(self, slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """[R, G] tree and [R, D] chain forecasts with every entry filled: the last draft's curves
