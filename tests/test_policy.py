@@ -162,12 +162,12 @@ def _requests(n: int, temperature: float = 0.0) -> list[Request]:
     return reqs
 
 
-def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float) -> None:
-    """Pretend the round ran, with a drafter whose spine reach is 0.8^depth and whose trees are
-    chains, and a target that accepts each spine node with probability `accept`."""
+def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float, confidence: float = 0.8) -> None:
+    """Pretend the round ran, with a drafter whose spine reach is confidence^depth and whose trees
+    are chains, and a target that accepts each spine node with probability `accept`."""
     D, k = max(plan.depth, 1), plan.drafting
     cols = policy.curve_columns(plan)
-    raw = 0.8 ** np.arange(1, D + 1)
+    raw = confidence ** np.arange(1, D + 1)
     extras = np.zeros((k, 2 * cols + 5 * D))
     extras[:, :cols] = np.minimum(policy.grid[:cols], D)  # spine nodes in the top-b tree
     extras[:, 2 * cols : 2 * cols + D] = raw
@@ -210,6 +210,50 @@ def test_collapse_goes_to_ar_and_probes_back():
         modes.append(plan.modes[0])
         _feed(policy, plan, reqs, accept=1.0)
     assert modes[-50:].count(AR) < 10
+
+
+def test_right_drafter_speculates_at_once():
+    """A drafter the target always agrees with: the policy drafts from the first rounds on, with big
+    windows, and never settles on AR (the failure on the demo pair was the opposite: a policy that
+    under-forecast a good drafter and stayed on AR)."""
+    policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
+    reqs = _requests(1)
+    modes, windows = [], []
+    for _ in range(60):
+        plan = policy.plan(reqs)
+        modes.append(plan.modes[0])
+        windows.append(plan.window)
+        _feed(policy, plan, reqs, accept=1.0)
+    assert AR not in modes[:1] and modes[2:].count(AR) == 0
+    assert np.median(windows[2:]) > 8
+
+
+def test_streak_after_cold_stretch_is_found_quickly():
+    """Greedy acceptance comes in streaks (text falls into a copy). After a long cold stretch on AR
+    steps, a request whose class has won big before is re-tested every few rounds, so a streak
+    that starts is found within a few rounds, not dozens, and then kept."""
+    policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
+    first = _requests(1)
+    for _ in range(30):  # an earlier request of the class: drafts paid big
+        plan = policy.plan(first)
+        _feed(policy, plan, first, accept=1.0)
+    reqs = _requests(1)
+    reqs[0].slot = 0
+    for _ in range(60):  # this one goes cold, and its drafts are unsure: the policy moves to AR steps
+        plan = policy.plan(reqs)
+        _feed(policy, plan, reqs, accept=0.0, confidence=0.3)
+    for n in range(40):  # the streak starts
+        plan = policy.plan(reqs)
+        _feed(policy, plan, reqs, accept=1.0)
+        if plan.modes[0] != AR:
+            break
+    assert n < 12, f"the streak was found only after {n} rounds"
+    following = []
+    for _ in range(10):
+        plan = policy.plan(reqs)
+        following.append(plan.modes[0])
+        _feed(policy, plan, reqs, accept=1.0)
+    assert following.count(AR) <= 1
 
 
 # ---- the engine -------------------------------------------------------------------------

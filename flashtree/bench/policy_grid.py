@@ -44,6 +44,7 @@ class PolicyGridSpec:
     suites: list[str] = field(default_factory=lambda: ["code", "prose"])
     num_prompts: int = 16  # per (temperature, concurrency) cell, taken from the suites in turn
     max_tokens: int = 64
+    passes: int = 2  # times each cell runs every wave (cells rotated per wave and pass)
     seed: int = 0
 
     def validate(self) -> None:
@@ -53,8 +54,8 @@ class PolicyGridSpec:
             raise FlashtreeError(f"concurrency levels must be >= 1, got {self.concurrency}")
         if any(not 1 <= b <= 1024 for b in self.budgets):
             raise FlashtreeError(f"budgets must be in 1..1024, got {self.budgets}")
-        if self.num_prompts < 1 or self.max_tokens < 1:
-            raise FlashtreeError("num_prompts and max_tokens must be >= 1")
+        if self.num_prompts < 1 or self.max_tokens < 1 or self.passes < 1:
+            raise FlashtreeError("num_prompts, max_tokens and passes must be >= 1")
 
     def labels(self) -> list[str]:
         return ["ar", "dflash"] + [f"ddtree-{b}" for b in self.budgets] + ["auto"]
@@ -86,7 +87,9 @@ def _config(spec: PolicyGridSpec, label: str, batch: int, max_model_len: int | N
                         max_model_len=max_model_len)
 
 
-def run_wave(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], cell: GridCell) -> None:
+def run_wave(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], cell: GridCell,
+             keep: bool = True) -> None:
+    """Run one wave to the end; add its tokens, time and rounds to the cell (and its outputs, once)."""
     t0 = time.perf_counter()
     reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     while engine.has_unfinished:
@@ -99,7 +102,8 @@ def run_wave(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingP
         cell.accepted += sum(n - 1 for n in s.accept_lengths)
         for m in s.modes:
             cell.modes[m] = cell.modes.get(m, 0) + 1
-        cell.outputs.append(list(r.output_ids))
+        if keep:
+            cell.outputs.append(list(r.output_ids))
 
 
 def run_policy_grid(spec: PolicyGridSpec, progress: bool = True) -> dict:
@@ -121,7 +125,7 @@ def run_policy_grid(spec: PolicyGridSpec, progress: bool = True) -> dict:
     engines = {(c, label): LLMEngine(_config(spec, label, c, need), share_weights=base)
                for c in sorted(spec.concurrency, reverse=True) for label in labels}
     cells: dict[tuple[float, int, str], GridCell] = {}
-    total = len(spec.temperatures) * sum(len(labels) * (1 + -(-len(ids) // c)) for c in spec.concurrency)
+    total = len(spec.temperatures) * sum(len(labels) * (1 + spec.passes * -(-len(ids) // c)) for c in spec.concurrency)
     bar = tqdm(total=total, desc="policy grid", unit="wave", file=sys.stderr, disable=not progress,
                dynamic_ncols=True)
     for t in spec.temperatures:
@@ -132,7 +136,8 @@ def run_policy_grid(spec: PolicyGridSpec, progress: bool = True) -> dict:
                 bar.set_postfix_str(f"T={t:g} c={c} warmup {label}", refresh=False)
                 run_wave(engines[c, label], [ids[i % len(ids)] for i in range(c)], warm, GridCell(t, c, label))
                 bar.update(1)
-            for w, start in enumerate(range(0, len(ids), c)):
+            waves = list(range(0, len(ids), c))
+            for w, start in enumerate(waves * spec.passes):
                 wave = ids[start : start + c]
                 params = [SamplingParams(temperature=t, max_tokens=spec.max_tokens, seed=spec.seed + start + i,
                                          ignore_eos=True) for i in range(len(wave))]
@@ -140,7 +145,7 @@ def run_policy_grid(spec: PolicyGridSpec, progress: bool = True) -> dict:
                 for label in labels[k:] + labels[:k]:
                     bar.set_postfix_str(f"T={t:g} c={c} {label}", refresh=False)
                     cell = cells.setdefault((t, c, label), GridCell(t, c, label))
-                    run_wave(engines[c, label], wave, params, cell)
+                    run_wave(engines[c, label], wave, params, cell, keep=w < len(waves))
                     bar.update(1)
     bar.close()
     return {"spec": vars(spec), "cells": cells, "seconds": time.perf_counter() - started, "load_average_start": load,

@@ -21,8 +21,8 @@ rarely sees follows the pool's kind-wide estimate:
 Old evidence fades (DECAY_REQ per speculative round of the request, DECAY_IDLE per round it
 spends on AR steps, DECAY_POOL per round), so a request whose text turns easy or hard is
 followed within a few rounds, and one that stopped drafting drifts back toward its class.
-`evidence` is how much a request's estimate rests on (predicted nodes seen): the policy's
-exploration is wide where it is small.
+`evidence` is how many rounds a request's estimate rests on: the policy's exploration is wide
+where it is small.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from flashtree.sampling import SamplingParams
 K, K0, K1 = 6.0, 2.0, 1.0
 DECAY_REQ, DECAY_IDLE, DECAY_POOL = 0.85, 0.97, 0.97
 BETA_RANGE = (0.02, 20.0)
+EVIDENCE_IDLE = 0.9  # per AR round, how much a request's own drafted rounds still count as evidence
 
 
 def sampling_class(params: SamplingParams) -> int:
@@ -49,12 +50,14 @@ class Calibration:
         self.depth = depth
         self.obs = np.zeros((slots, depth, 2))
         self.pred = np.zeros((slots, depth, 2))
+        self.rounds = np.zeros(slots)  # drafted rounds behind each request's estimate, faded like it
         self.pool: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.pool_evidence: dict[int, float] = {}
 
     def reset(self, slot: int) -> None:
         self.obs[slot] = 0.0
         self.pred[slot] = 0.0
+        self.rounds[slot] = 0.0
 
     def _pool(self, cls: int) -> tuple[np.ndarray, np.ndarray]:
         if cls not in self.pool:
@@ -90,13 +93,18 @@ class Calibration:
         return np.clip(b, *BETA_RANGE)
 
     def evidence(self, slots: list[int], classes: list[int], idle: np.ndarray) -> np.ndarray:
-        """[len(slots)]: predicted nodes behind each request's estimate: its own, plus its class's
-        counted at a quarter (and at most 10), since other requests' text is only a hint."""
-        own = self.pred[slots].sum((1, 2)) * DECAY_IDLE ** idle
+        """[len(slots)]: how many independent looks each request's estimate rests on, counted in
+        rounds, not nodes: a round's nodes stand or fall together (a chain stops at its first
+        miss) and acceptance comes in streaks, so a round is one observation however many nodes
+        it drafted. Its own drafted rounds (fading as the estimate does) count in full, its
+        class's at a tenth and at most 1, since other text is only a hint. While a request takes AR
+        steps its own looks fade faster than its estimate (EVIDENCE_IDLE): the text moves on. Counting nodes made the
+        policy so sure of a stale estimate that it stopped re-trying speculation."""
+        own = self.rounds[slots] * EVIDENCE_IDLE ** idle
         for c in classes:
             self._pool(c)
         pool = np.array([self.pool_evidence[c] for c in classes])
-        return K + own + np.minimum(10.0, 0.25 * pool)
+        return 1.0 + own + np.minimum(1.0, 0.1 * pool)
 
     def update(self, slots: list[int], classes: list[int], obs: np.ndarray, pred: np.ndarray,
                idle: np.ndarray) -> None:
@@ -107,6 +115,7 @@ class Calibration:
         self.obs[slots] *= age
         self.pred[slots] *= age
         self.obs[slots, :d] += obs
+        self.rounds[slots] = self.rounds[slots] * age[:, 0, 0] + 1.0
         self.pred[slots, :d] += pred
         for c in set(classes):
             rows = [i for i, x in enumerate(classes) if x == c]
@@ -115,4 +124,4 @@ class Calibration:
             pp *= DECAY_POOL
             po[:d] += obs[rows].sum(0)
             pp[:d] += pred[rows].sum(0)
-            self.pool_evidence[c] = float(pp.sum())
+            self.pool_evidence[c] = self.pool_evidence[c] * DECAY_POOL + len(rows)

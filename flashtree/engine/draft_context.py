@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-CAPACITY = 32  # tokens a slot may hold back
+CAPACITY = 64  # tokens a slot may hold back
 
 
 class DeferredContext:

@@ -31,7 +31,8 @@ variance 1/n), n the evidence behind its calibration (Thompson-style), so one un
 does not lock a request out of speculating, while a class that has shown many times that its
 drafts do not pay (T = 1 with a weak drafter) is hardly ever drafted for. On top of that,
 requests that stopped drafting are probed now and then (a speculative round chosen only to
-learn), paid from a credit of PROBE_SHARE of the time spent.
+learn), paid from a credit of a share of the time spent that grows with how often the class's
+drafts win big (see PROBE_MAX): streaks start unseen while a request takes AR steps.
 
 When a batch is clearly better off on AR steps, the plan holds for a few rounds (more the
 clearer it is), so that steady state costs almost no host time per round.
@@ -50,7 +51,14 @@ from flashtree.engine.sequence import Request
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 AR, CHAIN, TREE = 0, 1, 2
 MODE_NAMES = ("ar", "chain", "tree")
-PROBE_SHARE = 0.005  # of round time, spent on speculative rounds the model does not expect to pay
+# Probes: speculative rounds the forecast does not expect to pay, paid from a credit of a share of
+# round time. A class's share follows how often its drafted rows win big (a round at least twice
+# AR's rate): acceptance comes in long streaks (a greedy request falling into a copy), a streak's
+# start cannot be seen from AR steps, and the rounds it would have won are where speculation earns
+# most; so a class that wins big often re-tests every few rounds, and one whose drafts never pay
+# (T = 1 with a weak drafter) hardly at all.
+PROBE_MIN, PROBE_MAX = 0.002, 0.25
+BIG_WIN_RATE, BIG_WIN_PRIOR, BIG_WIN_FULL = 0.1, 0.0, 0.2  # EMA weight per row, its start, the rate at PROBE_MAX
 RHO_PRIOR = 0.8  # increment ratio between grid sizes before any tree that big was seen
 SPINE_PRIOR = 0.7  # per-depth spine reach ratio assumed for a class nobody has drafted in yet
 POOL_RATE = 0.1  # EMA weight of one row in a class's pooled curves
@@ -58,9 +66,9 @@ MEAN_RATE = 0.5  # EMA weight of one round in a request's mean curves
 LAST_WEIGHT, LAST_FADE = 0.8, 0.8  # the last draft's share of the forecast, and its fade per AR round
 OWN_FADE = 0.8  # per AR round, the request's own data yields to its class's in the forecast
 STREAK_DECAY, STREAK_PRIOR = 0.5, 1.0  # the request's recent accepted / forecast ratio (see observe)
-CHAIN_MARGIN = 1.05  # a chain row must forecast this many times the tree's accepted tokens
+CHAIN_MARGIN = 1.3  # a chain row must forecast this many times the tree's accepted tokens
 RECORD_DECAY, RECORD_PRIOR = 0.97, 4.0  # chains' accepted / planned record per class: fade per round, prior
-MAX_HOLD = 32  # rounds an all-AR plan may be reused without re-planning
+MAX_HOLD = 64  # rounds an all-AR plan may be reused without re-planning
 
 
 @dataclass
@@ -77,6 +85,7 @@ class RoundPlan:
     predicted: list[float] = field(default_factory=list)  # per batch row: expected accepted drafted tokens
     seconds: float = 0.0
     probes: list[int] = field(default_factory=list)
+    ar_seconds: float = 0.0  # what the round would have taken on AR steps only (auto)
     learn: bool = False  # read back curves and calibration data (auto only)
     column: int = 0  # the window's grid index (auto only)
 
@@ -148,6 +157,7 @@ class Policy:
         self.rng = np.random.default_rng(0)
         self.hold: tuple[list[str], RoundPlan] | None = None  # an all-AR plan reused while the batch stays
         self.hold_left = 0
+        self.next_probe = 0.0  # credit (seconds) the last unaffordable probe needed: a hold ends there
 
     # ---- per-request state ---------------------------------------------------------------
 
@@ -174,7 +184,7 @@ class Policy:
             spine_nodes[0], branch[0] = 1.0, 0.0  # the top-1 tree is the chain of one
             self.pools[cls] = {"reach": SPINE_PRIOR ** np.arange(1, D + 1), "spine_nodes": spine_nodes,
                                "branch": branch, "rho": np.full(G, RHO_PRIOR),
-                               "record": np.zeros((2, 2))}
+                               "record": np.zeros((2, 2)), "big_win": BIG_WIN_PRIOR}
         return self.pools[cls]
 
     def _calibrated(self, slots: list[int], reach: np.ndarray, spine_nodes: np.ndarray,
@@ -191,23 +201,27 @@ class Policy:
         return np.clip(extend_tree(tree, rho), 0.0, self.depth), chain
 
     def _refresh(self, slots: list[int]) -> None:
-        """Recompute the forecasts of these slots."""
-        self.fc_mean_t[slots], self.fc_mean_c[slots] = self._calibrated(slots, self.reach_mean[slots],
-                                                                        self.spine_nodes[slots], self.branch[slots])
+        """Recompute the forecasts of these slots: from their means, their classes' pools and their
+        last drafts, in one calibrated pass (this runs every drafting round)."""
+        k = len(slots)
         pools = [self._pool(self.cls[s]) for s in slots]
-        self.fc_pool_t[slots], self.fc_pool_c[slots] = self._calibrated(
-            slots, np.stack([p["reach"] for p in pools]), np.stack([p["spine_nodes"] for p in pools]),
-            np.stack([p["branch"] for p in pools]))
         last = self.reach[slots]
         has = ~np.isnan(last[:, 0])
         self.has_last[slots] = has
+        # The last tree's structure where it was that big, the mean's beyond.
+        sn, br = self.spine_nodes_last[slots], self.branch_last[slots]
+        known = ~np.isnan(sn)
+        reach = np.concatenate([self.reach_mean[slots], np.stack([p["reach"] for p in pools]),
+                                np.where(has[:, None], last, self.reach_mean[slots])])
+        spine = np.concatenate([self.spine_nodes[slots], np.stack([p["spine_nodes"] for p in pools]),
+                                np.where(known, sn, self.spine_nodes[slots])])
+        branch = np.concatenate([self.branch[slots], np.stack([p["branch"] for p in pools]),
+                                 np.where(known, br, self.branch[slots])])
+        t, c = self._calibrated(list(slots) * 3, reach, spine, branch)
+        self.fc_mean_t[slots], self.fc_mean_c[slots] = t[:k], c[:k]
+        self.fc_pool_t[slots], self.fc_pool_c[slots] = t[k : 2 * k], c[k : 2 * k]
         if has.any():
-            # The last tree's structure where it was that big, the mean's beyond.
-            sn, br = self.spine_nodes_last[slots], self.branch_last[slots]
-            known = ~np.isnan(sn)
-            t, c = self._calibrated(slots, np.where(has[:, None], last, self.reach_mean[slots]),
-                                    np.where(known, sn, self.spine_nodes[slots]), np.where(known, br, self.branch[slots]))
-            self.fc_last_t[slots], self.fc_last_c[slots] = t, c
+            self.fc_last_t[slots], self.fc_last_c[slots] = t[2 * k :], c[2 * k :]
 
     def _curves(self, slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """[R, G] tree and [R, D] chain forecasts with every entry filled: the last draft's curves
@@ -258,10 +272,10 @@ class Policy:
     def plan(self, reqs: list[Request]) -> RoundPlan:
         R = len(reqs)
         ids = [r.request_id for r in reqs]
-        if self.hold_left and self.hold[0] == ids:
+        if self.hold_left and self.hold[0] == ids and self.credit < self.next_probe:
             self.hold_left -= 1
             plan = self.hold[1]
-            self.credit += PROBE_SHARE * plan.seconds
+            self._earn(plan, [r.slot for r in reqs])
             self.rounds += 1
             self.idle[[r.slot for r in reqs]] += 1
             return plan
@@ -305,8 +319,9 @@ class Policy:
                 rows = [int(i) for i in order[: k + 1, j]]
                 plan = self._build(R, rows, use_tree[:, j], gain[:, j], int(j), float(seconds[k, j]))
                 rate = float(rates[k, j])
+        plan.ar_seconds = t["ar"]
         if AR in plan.modes and self.grid[0] <= cap:
-            self._probe(plan, slots, et, ec, t, int(np.searchsorted(self.grid, cap, side="right")))
+            self._probe(plan, slots, et, ec, t, int(np.searchsorted(self.grid, cap, side="right")), rate)
         self.rate = rate
         self.rounds += 1
         self.idle[[slots[i] for i, m in enumerate(plan.modes) if m == AR]] += 1
@@ -336,9 +351,9 @@ class Policy:
     def _hold(self, ids: list[str], plan: RoundPlan, ratio: float) -> None:
         """Reuse this all-AR plan for the next rounds: none when drafting for typical requests of
         these classes would be within 10% of paying (ratio = its best rate over AR's), up to
-        MAX_HOLD when it would halve the rate."""
+        MAX_HOLD when it would cost a third of the rate."""
         self.hold = (ids, plan)
-        self.hold_left = int(MAX_HOLD * min(1.0, max(0.0, (0.9 - ratio) / 0.4)))
+        self.hold_left = int(MAX_HOLD * min(1.0, max(0.0, (0.95 - ratio) / 0.3)))
 
     def _build(self, R: int, rows: list[int], use_tree: np.ndarray, gain: np.ndarray, column: int,
                seconds: float) -> RoundPlan:
@@ -361,9 +376,18 @@ class Policy:
         s = (t["verify_tree"] if kt else t["verify_chain"])[0, j] + t["draft"][k - 1, j] + t["over_spec"]
         return float(s + (t["tree"][kt - 1, j] if kt else 0.0))
 
-    def _probe(self, plan: RoundPlan, slots: list[int], et: np.ndarray, ec: np.ndarray, t: dict, cols: int) -> None:
-        """Let the AR row unobserved longest draft too, when the probe credit pays for it."""
-        self.credit = min(self.credit + PROBE_SHARE * plan.seconds, 4 * plan.seconds + 1.0)
+    def _earn(self, plan: RoundPlan, slots: list[int]) -> None:
+        """Probe credit for this round: its AR rows' classes' share of its time (capped at a few rounds)."""
+        idle = [self.cls[slots[i]] for i, m in enumerate(plan.modes) if m == AR]
+        if idle:
+            share = max(probe_share(self._pool(c)["big_win"]) for c in set(idle))
+            self.credit = min(self.credit + share * plan.seconds, max(4 * plan.seconds, 1.5 * self.next_probe))
+
+    def _probe(self, plan: RoundPlan, slots: list[int], et: np.ndarray, ec: np.ndarray, t: dict, cols: int,
+               rate: float) -> None:
+        """Let the AR row unobserved longest draft too, when the probe credit pays for it. A probe
+        costs its extra seconds less the tokens it is expected to bring (at the plan's rate)."""
+        self._earn(plan, slots)
         idle = [i for i, m in enumerate(plan.modes) if m == AR]
         i = min(idle, key=lambda r: self.last_seen[slots[r]])
         if plan.drafting:
@@ -372,10 +396,14 @@ class Policy:
         else:
             j, tree = min(int(np.searchsorted(self.grid, 4)), cols - 1), True
             seconds = self._seconds(t, 1, 1, j)
+        expected = float(et[i, j]) if tree else float(ec[i, plan.chain - 1])
         extra = seconds - plan.seconds
-        if self.credit < extra:
+        price = extra - max(0.0, expected) / rate
+        if self.credit < price:
+            self.next_probe = price
             return
-        self.credit -= extra
+        self.credit -= max(0.0, price)
+        self.next_probe = 0.0
         self.hold_left = 0  # this plan is no longer all-AR
         size = int(self.grid[j])
         if not plan.drafting:
@@ -386,11 +414,10 @@ class Policy:
             plan.modes[i] = TREE
             plan.draft_rows.insert(plan.tree_rows, i)
             plan.tree_rows += 1
-            plan.predicted[i] = float(et[i, j])
         else:
             plan.modes[i] = CHAIN
             plan.draft_rows.append(i)
-            plan.predicted[i] = float(ec[i, plan.chain - 1])
+        plan.predicted[i] = expected
 
     # ---- learning ---------------------------------------------------------------------------
 
@@ -446,6 +473,12 @@ class Policy:
         self.streak[ds] = STREAK_DECAY * self.streak[ds] + np.stack([got, same], 1)
         for i in range(k):
             self._pool(classes[i])["record"][0 if i < nt else 1] += (got[i], plan.predicted[rows[i]])
+        # Big wins: rows whose share of the round's time bought at least twice the tokens AR would have.
+        if plan.seconds > 0 and plan.ar_seconds > 0:
+            bar = 2.0 * plan.seconds / plan.ar_seconds - 1.0  # drafted tokens accepted per row for that
+            for i in range(k):
+                pool = self._pool(classes[i])
+                pool["big_win"] += BIG_WIN_RATE * (float(got[i] >= bar) - pool["big_win"])
         if nt and cols >= 2:  # rho[m] = increment m+1 over increment m of the calibrated tree curve
             for cls in set(classes[:nt]):
                 mine = [i for i in range(nt) if classes[i] == cls]
@@ -454,6 +487,11 @@ class Policy:
                 ratio = np.divide(inc[1:], inc[:-1], out=np.full(cols - 1, RHO_PRIOR), where=inc[:-1] > 1e-6)
                 rho = self._pool(cls)["rho"]
                 rho[: cols - 1] += POOL_RATE * (np.clip(ratio, 0.0, 1.5) - rho[: cols - 1])
+
+
+def probe_share(big_win: float) -> float:
+    """The share of round time a class spends probing, from how often its drafts win big."""
+    return PROBE_MIN + (PROBE_MAX - PROBE_MIN) * min(1.0, big_win / BIG_WIN_FULL)
 
 
 def blend(mean: np.ndarray, new: np.ndarray, rate: float) -> np.ndarray:
