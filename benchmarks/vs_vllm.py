@@ -155,7 +155,11 @@ def main() -> None:
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
                     help="python of the venv vLLM is installed in")
     ap.add_argument("--target", default=str(DEMO / "target"))
-    ap.add_argument("--drafter", default=str(DEMO / "drafter"))
+    # vLLM's CPU runner cannot run DFlash2 drafters ("Model Runner V1 does not support: DFlash
+    # candidate-head drafts"), so the comparison defaults to the DFlash-1 demo drafter.
+    ap.add_argument("--drafter", default=str(DEMO / "drafter-dflash1"))
+    ap.add_argument("--flashtree-drafter", help="drafter for the flashtree configs (default: --drafter), "
+                    "e.g. the shipped DFlash2 demo drafter, which vLLM cannot run")
     ap.add_argument("--configs", nargs="+", default=["vllm:ar", "vllm:dflash", "flashtree:ar", "flashtree:dflash",
                                                      "flashtree:ddtree:16", "flashtree:ddtree:auto"])
     ap.add_argument("--suites", nargs="+", default=["code", "prose"])
@@ -176,6 +180,8 @@ def main() -> None:
               "max_model_len": args.max_model_len, "threads": args.threads}
     for cfg in configs:
         cfg["compile"] = cfg["compile"] or (args.compile and cfg["engine"] == "flashtree")
+        if cfg["engine"] == "flashtree" and args.flashtree_drafter:
+            cfg["drafter"] = args.flashtree_drafter
     best: dict[str, dict] = {}
     for p in range(args.passes):
         for cfg in configs:
@@ -191,7 +197,8 @@ def main() -> None:
     chain = best.get("vllm:dflash", {}).get("tok_s")
     vllm_ar = best.get("vllm:ar", {}).get("tok_s")
     print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, batch 1, greedy, {args.threads} thread(s), "
-          f"best of {args.passes} passes\n")
+          f"best of {args.passes} passes; drafter {Path(args.drafter).name}"
+          + (f", flashtree {Path(args.flashtree_drafter).name}" if args.flashtree_drafter else "") + "\n")
     print("| engine / method | tok/s | tau | x vLLM ar | x vLLM dflash | outputs == ar |")
     print("|---|---|---|---|---|---|")
     rows = []

@@ -10,7 +10,8 @@ from flashtree.errors import FlashtreeError
 METHODS = ("ar", "dflash", "ddtree")
 DEMO_DIR = Path(__file__).parent / "assets" / "demo"
 DEMO_TARGET = DEMO_DIR / "target"
-DEMO_DRAFTER = DEMO_DIR / "drafter"
+DEMO_DRAFTER = DEMO_DIR / "drafter"  # DFlash2 (candidate selector); see its recipe.json
+DEMO_DRAFTER_DFLASH1 = DEMO_DIR / "drafter-dflash1"  # the earlier DFlash-1 drafter, kept for comparison
 
 
 @dataclass

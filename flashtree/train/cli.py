@@ -241,9 +241,11 @@ def register(subparsers) -> None:
     p.add_argument("--minutes", type=float, help="drafter time budget instead of --steps")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--selector", action="store_true", help="train a DFlash2 drafter (see train --selector)")
-    p.add_argument("--temperature", type=_temperatures, default=[0.0],
-                   help="regeneration temperature(s); a mix such as 0,0.7,1 takes them in turn over prompts")
+    p.add_argument("--selector", action=argparse.BooleanOptionalAction, default=True,
+                   help="a DFlash2 drafter, as shipped (see train --selector); --no-selector: DFlash-1")
+    p.add_argument("--temperature", type=_temperatures, default=[0.0, 0.7, 1.0],
+                   help="regeneration temperature(s), taken in turn over prompts (default 0,0.7,1, as "
+                        "shipped; the DFlash-1 demo drafter used 0)")
     p.add_argument("--regen-drafter", help="regenerate with ddtree and this drafter (default: ar)")
     p.add_argument("--regen-budget", type=int, default=16)
     p.add_argument("--drafter-out", help="where the drafter goes (default: the embedded demo drafter)")

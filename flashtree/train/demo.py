@@ -33,7 +33,8 @@ class DemoConfig:
     regen_method: str = "ar"  # the first drafter cannot draft for its own data
     regen_drafter: str | None = None
     regen_budget: int = 64
-    temperatures: list[float] = field(default_factory=lambda: [0.0])  # a mix: prompt n at temperatures[n % k]
+    # a mix: prompt n at temperatures[n % k]; sampled text teaches the drafter T > 0 too
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7, 1.0])
     block_size: int = 16
     num_layers: int = 2
     layer_ids: list[int] = field(default_factory=lambda: [1, 3, 5])
@@ -43,7 +44,7 @@ class DemoConfig:
     train_steps: int | None = 1200  # ~40 min on one uncontended CPU thread
     train_minutes: float | None = None  # used when train_steps is None
     save_dtype: str = "bfloat16"  # keeps target + drafter under 30 MB
-    selector: bool = False  # a DFlash2 drafter (convolutions + candidate selector)
+    selector: bool = True  # a DFlash2 drafter (convolutions + candidate selector); False: DFlash-1
     selector_rank: int = 32
     selector_top_k: int = 16
     conv_kernel_size: int = 4
