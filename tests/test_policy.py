@@ -445,3 +445,42 @@ def test_metrics_expose_the_policy():
                  "flashtree_policy_draft_nodes_sum 31.0", "flashtree_policy_predicted_accepted_sum 3.75",
                  "flashtree_policy_predicted_accepted_count 2.0", "flashtree_policy_accepted_sum 4.0"):
         assert line in text, line
+
+
+def test_gate_explores_then_follows_measured_ratio():
+    """A class drafts its first MIN_ROUNDS rounds; after that a batch size whose drafting rounds
+    beat AR (at the cost model's prices) keeps drafting, one whose rounds lose does not; a batch
+    size with no drafting rounds of its own leaves the decision to the forecasts."""
+    from flashtree.engine.gate import MIN_ROUNDS, Gate
+
+    gate = Gate()
+    assert gate.keep_drafting(0, 1) and gate.keep_drafting(7, 4)  # nothing known: explore
+    for _ in range(MIN_ROUNDS):
+        gate.record(0, 1, tokens=5, seconds=2.0, ar_seconds=1.0, column=3)  # 2.5 tokens per AR-round time
+        gate.record(7, 1, tokens=1, seconds=2.0, ar_seconds=1.0, column=3)  # half of AR's rate
+    assert gate.keep_drafting(0, 1) and gate.ratio(0, 1) == pytest.approx(2.5)
+    assert not gate.keep_drafting(7, 1) and gate.ratio(7, 1) == pytest.approx(0.5)
+    assert not gate.keep_drafting(0, 16)  # explored as a class, but nothing measured at this size
+    # One cold stretch does not switch off a batch size that has paid off for a while: the
+    # average spans streaks.
+    for _ in range(32):
+        gate.record(0, 1, tokens=5, seconds=2.0, ar_seconds=1.0, column=3)
+    for _ in range(10):
+        gate.record(0, 1, tokens=1, seconds=2.0, ar_seconds=1.0, column=3)
+    assert gate.keep_drafting(0, 1)
+
+
+def test_gate_replaces_a_window_size_that_measurably_did_worse():
+    """The forecast's window column stands until measured; a column measured better (by the
+    margin) replaces a measured worse one, a close one does not."""
+    from flashtree.engine.gate import MIN_ROUNDS, Gate
+
+    gate = Gate()
+    for _ in range(MIN_ROUNDS):
+        gate.record(0, 1, tokens=6, seconds=2.0, ar_seconds=1.0, column=5)
+        gate.record(0, 1, tokens=4, seconds=2.0, ar_seconds=1.0, column=2)
+        gate.record(0, 1, tokens=6, seconds=2.0, ar_seconds=1.0, column=4)  # ties with 5
+    assert gate.column(0, 1, chosen=7, columns=8) == 7  # never measured: the forecast explores it
+    assert gate.column(0, 1, chosen=2, columns=8) in (4, 5)
+    assert gate.column(0, 1, chosen=4, columns=8) == 4  # within the margin of the best
+    assert gate.column(0, 1, chosen=2, columns=3) == 2  # the better columns are out of reach

@@ -46,6 +46,7 @@ import numpy as np
 
 from flashtree.engine.calibration import Calibration, sampling_class
 from flashtree.engine.cost_model import CostModel
+from flashtree.engine.gate import Gate
 from flashtree.engine.sequence import Request
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -158,6 +159,7 @@ class Policy:
         self.hold: tuple[list[str], RoundPlan] | None = None  # an all-AR plan reused while the batch stays
         self.hold_left = 0
         self.next_probe = 0.0  # credit (seconds) the last unaffordable probe needed: a hold ends there
+        self.gate = Gate()  # where drafting has measurably beaten AR steps, it is not given up (gate.py)
 
     # ---- per-request state ---------------------------------------------------------------
 
@@ -294,13 +296,15 @@ class Policy:
         t = self._cost_tables(R)
         plan = RoundPlan([AR] * R, predicted=[0.0] * R, seconds=t["ar"], learn=True)
         rate = R / t["ar"]
+        classes = {self.cls[s] for s in slots}
+        keep_drafting = len(classes) == 1 and self.gate.keep_drafting(next(iter(classes)), R)
         if cols > 0:
             n = self.calibration.evidence(slots, [self.cls[s] for s in slots], self.idle[slots])
             luck = self.rng.gamma(n, 1.0 / n)  # explore where the evidence is thin
             # Cheap exit, the steady state of a batch that does not pay: even every row's best
             # gain at the cheapest drafting round cannot beat AR.
             best = np.maximum(et.max(1), ec.max(1))
-            if (R + luck @ best) / t["spec_min"] <= rate:
+            if not keep_drafting and (R + luck @ best) / t["spec_min"] <= rate:
                 cols = 0
                 self._hold(ids, plan, self._pool_ratio(slots, t, rate, cap))
         if cols > 0:
@@ -313,7 +317,10 @@ class Policy:
             gain = np.where(use_tree, gain_t, gain_c)
             rates, order, seconds = self._rates(R, gain * luck[:, None], use_tree, t, cols)
             k, j = np.unravel_index(np.argmax(rates), rates.shape)
-            if rates[k, j] <= rate:
+            if keep_drafting:  # the window size that measurably did best, if not the forecast's
+                j = self.gate.column(next(iter(classes)), R, int(j), cols)
+                k = int(np.argmax(rates[:, j]))
+            if rates[k, j] <= rate and not keep_drafting:
                 self._hold(ids, plan, self._pool_ratio(slots, t, rate, cap))
             else:
                 rows = [int(i) for i in order[: k + 1, j]]
@@ -432,6 +439,12 @@ class Policy:
         and the observed ones. accepted: drafted tokens accepted, per batch row."""
         if extras is None or not plan.drafting:
             return
+        classes_here = {self.cls[s] for s in slots}
+        if len(classes_here) == 1:
+            # Realized tokens at the cost model's prices (refined online from measured rounds): a
+            # measured drafting round against a predicted AR round would mix two scales.
+            self.gate.record(next(iter(classes_here)), len(slots), len(slots) + sum(accepted), plan.seconds,
+                             plan.ar_seconds, plan.column)
         rows = plan.draft_rows
         k = len(rows)
         ds = [slots[i] for i in rows]
