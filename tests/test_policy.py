@@ -383,6 +383,69 @@ def test_deferred_context_equals_full_prefill(tmp_path):
                                   atol=1e-9)
 
 
+def test_ar_rounds_under_auto_do_no_drafter_work(tmp_path):
+    """An auto engine whose plans are all AR does what an `ar` engine does plus one feature write
+    a round: no drafter forward, no drafter context beyond the prompts' (the held-back tokens
+    append only when the ring fills), and a request seated on a finished one's prefix appends
+    none of that one's held-back tokens. When that request then drafts, its output equals AR's
+    and its drafter cache equals a full prefill of its text (float64)."""
+    from flashtree.engine.draft_context import CAPACITY
+    from flashtree.engine.policy import fixed_plan
+
+    target = make_target(tmp_path / "t", vocab=32, logit_scale=3.0)
+    drafter = make_drafter(tmp_path / "d", target_layers=4, vocab=32, block_size=6)
+    cfg = dict(target=str(target), device="cpu", dtype="float64", max_model_len=200, max_batch=2)
+    engine = LLMEngine(EngineConfig(drafter=str(drafter), max_budget=8, **cfg))
+    runner = engine.runner
+    drafting = {"on": False}
+
+    def plan(reqs):
+        runner.policy.plan(reqs)  # the policy's own bookkeeping, its choice overridden
+        return fixed_plan(len(reqs), "ddtree" if drafting["on"] else "ar", 6, 5)
+
+    runner.plan = plan
+    forwards, context_rows = [], []
+    forward, add_context = runner.drafter.forward, runner.drafter.add_context
+    runner.drafter.forward = lambda noise, ctx: (forwards.append(noise.shape[0]), forward(noise, ctx))[1]
+    runner.drafter.add_context = lambda ctx, f: (context_rows.append(f.shape[0] * f.shape[1]), add_context(ctx, f))[1]
+    params = SamplingParams(max_tokens=CAPACITY + 20, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    first = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished:
+        engine.step()
+    assert forwards == []
+    # The prompts, and one full ring per request (its tokens past the prompt's last).
+    assert sum(context_rows) == sum(map(len, prompts)) + 2 * CAPACITY
+    assert all(runner.deferred.counts[r.slot] == params.max_tokens - 1 - CAPACITY for r in first)
+
+    # A new request on the first one's prompt: seated on its prefix with no drafter work (the
+    # first one's held-back tokens lie past it), then drafting.
+    base = first[0]
+    ids = base.prompt_ids + base.output_ids[:70] + [9]
+    drafting["on"] = True
+    seat, seat_rows = runner.seat, []
+    runner.seat = lambda *a, **k: (n := len(context_rows), seat(*a, **k), seat_rows.append(context_rows[n:]))
+    req = engine.add_request(ids, SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    assert req.stats.cached_tokens == len(base.prompt_ids) and seat_rows == [[]]
+    while engine.has_unfinished:
+        engine.step()
+    ar = LLMEngine(EngineConfig(drafter=None, method="ar", **cfg))
+    ref = ar.add_request(ids, SamplingParams(max_tokens=20, ignore_eos=True))
+    while ar.has_unfinished:
+        ar.step()
+    assert req.output_ids == ref.output_ids
+    text = ids + req.output_ids[:-1]
+    n = runner.draft_cache.lengths[req.slot]
+    assert n == runner.cache.lengths[req.slot] == len(text) and runner.deferred.counts[req.slot] == 0
+    fresh = LLMEngine(EngineConfig(drafter=str(drafter), budget=4, **{**cfg, "max_batch": 1}))
+    fresh.runner.seat(0, None, 0)
+    fresh.runner.prefill(Request(text, SamplingParams(), slot=0), len(text))
+    for layer in range(runner.draft_cache.k.shape[0]):
+        assert torch.allclose(runner.draft_cache.k[layer, req.slot, :n], fresh.runner.draft_cache.k[layer, 0, :n],
+                              atol=1e-9)
+
+
 # ---- the cost cache ---------------------------------------------------------------------
 
 def test_cost_cache_is_written_reused_and_invalidated(pair, tmp_path):

@@ -163,10 +163,12 @@ class Policy:
 
     # ---- per-request state ---------------------------------------------------------------
 
-    def _claim(self, req: Request) -> None:
+    def _claim(self, req: Request) -> bool:
+        """Start a new request's state from its class's (True); its forecasts are the caller's to
+        refresh, so a round's new requests are refreshed together."""
         s = req.slot
         if self.owner[s] == req.request_id:
-            return
+            return False
         self.owner[s] = req.request_id
         self.cls[s] = sampling_class(req.params)
         self.calibration.reset(s)
@@ -177,7 +179,7 @@ class Policy:
         self.streak[s] = 0.0
         self.idle[s] = 0
         self.last_seen[s] = self.rounds
-        self._refresh([s])
+        return True
 
     def _pool(self, cls: int) -> dict[str, np.ndarray]:
         if cls not in self.pools:
@@ -274,6 +276,8 @@ class Policy:
     def plan(self, reqs: list[Request]) -> RoundPlan:
         R = len(reqs)
         ids = [r.request_id for r in reqs]
+        if self.hold_left and ids != self.hold[0] and set(ids) < set(self.hold[0]):
+            self._shrink_hold(reqs)
         if self.hold_left and self.hold[0] == ids and self.credit < self.next_probe:
             self.hold_left -= 1
             plan = self.hold[1]
@@ -282,14 +286,14 @@ class Policy:
             self.idle[[r.slot for r in reqs]] += 1
             return plan
         self.hold_left = 0
-        for r in reqs:
-            self._claim(r)
+        fresh = [r.slot for r in reqs if self._claim(r)]
         slots = [r.slot for r in reqs]
         for c in {self.cls[s] for s in slots}:
             self._pool(c)["record"] *= RECORD_DECAY
-        aged = [s for s in slots if self.idle[s]]
-        if aged:  # their calibration drifted toward the pool while they took AR steps
-            self._refresh(aged)
+        # New requests, and those whose calibration drifted toward the pool while they took AR steps.
+        stale = fresh + [s for s in slots if self.idle[s]]
+        if stale:
+            self._refresh(stale)
         et, ec = self._curves(slots)
         cap = min(int(self.grid[-1]), self.max_round_tokens // R - 1)
         cols = int(np.searchsorted(self.grid, cap, side="right"))
@@ -361,6 +365,20 @@ class Policy:
         MAX_HOLD when it would cost a third of the rate."""
         self.hold = (ids, plan)
         self.hold_left = int(MAX_HOLD * min(1.0, max(0.0, (0.95 - ratio) / 0.3)))
+
+    def _shrink_hold(self, reqs: list[Request]) -> None:
+        """Requests left an all-AR batch that was holding: the rest keep holding, for as long as
+        the same rule gives their smaller batch (at most what was left), without a full plan."""
+        R, slots = len(reqs), [r.slot for r in reqs]
+        cap = min(int(self.grid[-1]), self.max_round_tokens // R - 1)
+        t = self._cost_tables(R)
+        plan = RoundPlan([AR] * R, predicted=[0.0] * R, seconds=t["ar"], learn=True, ar_seconds=t["ar"])
+        left = self.hold_left
+        if self.grid[0] <= cap:
+            self._hold([r.request_id for r in reqs], plan, self._pool_ratio(slots, t, R / t["ar"], cap))
+        else:
+            self.hold = ([r.request_id for r in reqs], plan)
+        self.hold_left = min(left, self.hold_left)
 
     def _build(self, R: int, rows: list[int], use_tree: np.ndarray, gain: np.ndarray, column: int,
                seconds: float) -> RoundPlan:
@@ -517,7 +535,7 @@ def extend_tree(curve: np.ndarray, rho: np.ndarray) -> np.ndarray:
     """Fill unknown grid columns: each adds rho times the previous column's increment."""
     et = curve.copy()
     et[:, 0] = np.where(np.isnan(et[:, 0]), 0.0, et[:, 0])
-    for j in range(1, et.shape[1]):
+    for j in np.flatnonzero(np.isnan(et[:, 1:]).any(0)) + 1:  # columns with nothing to fill stay as they are
         prev = et[:, j - 1] - (et[:, j - 2] if j >= 2 else 0.0)
         fill = et[:, j - 1] + np.maximum(prev, 0.0) * rho[:, j - 1]
         et[:, j] = np.where(np.isnan(et[:, j]), fill, et[:, j])
@@ -529,7 +547,7 @@ def extend_reach(reach: np.ndarray) -> np.ndarray:
     (reach_d / reach_{d-1}, the root's reach being 1)."""
     out = reach.copy()
     out[:, 0] = np.where(np.isnan(out[:, 0]), SPINE_PRIOR, out[:, 0])
-    for d in range(1, out.shape[1]):
+    for d in np.flatnonzero(np.isnan(out[:, 1:]).any(0)) + 1:  # depths with nothing to fill stay as they are
         before = out[:, d - 2] if d >= 2 else np.ones(len(out))
         ratio = np.clip(np.divide(out[:, d - 1], before, out=np.zeros(len(out)), where=before > 1e-12), 0.0, 0.98)
         out[:, d] = np.where(np.isnan(out[:, d]), out[:, d - 1] * ratio, out[:, d])

@@ -142,7 +142,6 @@ class ModelRunner:
         self.timed_stages = sync or device.type == "cpu"  # stage times are real, not launch times
         self.policy: Policy | None = None
         self.deferred: DeferredContext | None = None
-        self.owner: list[str | None] = [None] * slots
         if self.method == "ddtree" and config.budget == "auto":
             # Tensor-parallel ranks time the target together, so each must run the same points:
             # no time budget and no cache there (rank 0's tables are then shared: parallel/workers.py).
@@ -185,11 +184,6 @@ class ModelRunner:
         the target and drafter caches (a shared prefix; a hybrid target also takes the recurrent
         state saved after them under `state_key`, unless source holds exactly `length` tokens)."""
         if self.deferred is not None:
-            if source is not None and self.deferred.counts[source]:  # the source's drafter context must be whole
-                n = self.deferred.counts[source]
-                self.append_held({n: [source]}, {f"held{n}": torch.tensor([source], device=self.device),
-                                                 f"held{n}_starts": torch.tensor([self.draft_cache.lengths[source]],
-                                                                                 device=self.device)})
             self.deferred.reset(slot)
         if source is None:
             self.cache.set_length(slot, 0)
@@ -199,6 +193,8 @@ class ModelRunner:
         state = self.saved_states[state_key] if state_key is not None else None
         self.cache.copy_prefix(source, slot, length, state)
         if self.drafter is not None:
+            # A shared prefix is a prompt's, and the drafter holds every prompt token (prefill
+            # appends them): source's held-back tokens, its output's, lie past it.
             self.draft_cache.copy_prefix(source, slot, length)
 
     def save_state(self, slot: int, key: int) -> None:
@@ -342,11 +338,7 @@ class ModelRunner:
     # ---- the plan: who drafts, and how ----------------------------------------------------
 
     def plan(self, reqs: list[Request]) -> RoundPlan:
-        for r in reqs:
-            if self.owner[r.slot] != r.request_id:  # a new request in this slot: nothing held back
-                self.owner[r.slot] = r.request_id
-                if self.deferred is not None:
-                    self.deferred.reset(r.slot)
+        # (A slot's held-back context is set when it is seated: empty, or its source's.)
         if self.policy is not None:
             return self.policy.plan(reqs)
         method = self.method if self.drafter is not None else "ar"
@@ -369,9 +361,10 @@ class ModelRunner:
             for n, group in flush.items():
                 longs[f"held{n}"] = group
                 longs[f"held{n}_starts"] = [self.draft_cache.lengths[s] for s in group]
-            if idle and len(idle) < len(slots):  # all idle: the batch's own slot tensor serves
+            if idle and len(idle) < len(slots):  # all idle: the batch's own slot tensors serve
                 longs["idle_rows"] = idle
                 longs["idle_slots"] = [slots[i] for i in idle]
+                longs["idle_starts"] = [self.cache.lengths[slots[i]] for i in idle]
         if plan.learn and plan.drafting:
             cols = self.policy.curve_columns(plan)
             if cols:
@@ -388,9 +381,9 @@ class ModelRunner:
             batch = SlotBatch(group, [self.draft_cache.lengths[s] for s in group], staged[f"held{n}"],
                               staged[f"held{n}_starts"])
             ctx = ForwardContext.block(self.draft_cache, batch, n)
-            self.drafter.add_context(ctx, self.deferred.held(batch.slots, n))
+            self.drafter.add_context(ctx, self.deferred.held(batch.slots, batch.starts, n))
             self.draft_cache.commit(ctx, [n] * len(group))
-            self.deferred.emptied(group, batch.slots)
+            self.deferred.emptied(group)
 
     def _draft_batch(self, batch: SlotBatch, plan: RoundPlan, staged: dict[str, Tensor]) -> SlotBatch:
         if "draft_rows" not in staged:
@@ -562,9 +555,10 @@ class ModelRunner:
         if self.deferred is not None and AR in plan.modes:
             if "idle_rows" in staged:
                 idle = [slots[i] for i, m in enumerate(plan.modes) if m == AR]
-                self.deferred.park(idle, staged["idle_slots"], features.index_select(0, staged["idle_rows"])[:, 0])
+                self.deferred.park(idle, staged["idle_slots"], staged["idle_starts"],
+                                   features.index_select(0, staged["idle_rows"])[:, 0])
             else:
-                self.deferred.park(slots, batch.slots, features[:, 0])
+                self.deferred.park(slots, batch.slots, batch.starts, features[:, 0])
 
 
 BY_ARGMAX, BY_TEMPERATURE, BY_WALK = 0, 1, 2
