@@ -7,7 +7,8 @@ policy can sit out the rounds that would have paid most. The gate watches what d
 actually delivered against what AR steps cost, per (sampling class, batch-size bucket): once
 enough drafting rounds of a kind have beaten AR by a clear margin, that kind of batch keeps
 drafting (the policy still picks who drafts and how big); when they stop beating it, the gate
-steps aside and the forecasts decide again. A class not seen yet drafts its first MIN_ROUNDS
+steps aside and the forecasts decide again, unless they have lost to AR on average: then the
+batch stays on AR steps apart from the forecasts' probes. A class not seen yet drafts its first MIN_ROUNDS
 rounds, so that both the gate and the forecasts start from evidence rather than priors. The same
 measurement per window size corrects the forecast's size where it has measurably done worse
 than another size (`column`).
@@ -54,6 +55,14 @@ class Gate:
             old = self.log_ratio.get(key, x)
             self.log_ratio[key] = x if n == 0 else old + max(RATE, 1.0 / (n + 1)) * (x - old)
             self.rounds[key] = n + 1
+
+    def drafting_loses(self, cls: int, rows: int) -> bool:
+        """True where this batch size's drafting rounds (MIN_ROUNDS or more) have, on average, not
+        even matched AR: the forecasts are overruled there too (only their probes still draft,
+        and those keep the average current)."""
+        key = (cls, bucket(rows))
+        return self.rounds.get((cls,), 0) >= MIN_ROUNDS and self.rounds.get(key, 0) >= MIN_ROUNDS \
+            and self.log_ratio[key] < 0.0
 
     def column(self, cls: int, rows: int, chosen: int, columns: int) -> int:
         """The window column to draft at: the forecast's choice, unless another column has

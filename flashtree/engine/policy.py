@@ -302,6 +302,10 @@ class Policy:
         rate = R / t["ar"]
         classes = {self.cls[s] for s in slots}
         keep_drafting = len(classes) == 1 and self.gate.keep_drafting(next(iter(classes)), R)
+        if len(classes) == 1 and self.gate.drafting_loses(next(iter(classes)), R):
+            # measured: drafting at this batch size has not paid; probes still re-test it
+            self.hold, self.hold_left = (ids, plan), MAX_HOLD // 4
+            cols = 0
         if cols > 0:
             n = self.calibration.evidence(slots, [self.cls[s] for s in slots], self.idle[slots])
             luck = self.rng.gamma(n, 1.0 / n)  # explore where the evidence is thin
