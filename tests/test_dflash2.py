@@ -331,8 +331,7 @@ def test_a_dflash2_round_reads_the_device_once(tmp_path, monkeypatch, method, bu
     """The selector's candidates, conditionals and the Markov tree/chain add no host read to a
     round (the CPU-only early stop inside flashtree/tree/ aside, as for build_tree)."""
     from flashtree import EngineConfig, LLMEngine
-    from flashtree.engine.runner import ModelRunner
-    from test_host_reads import ReadCounter
+    from test_host_reads import ReadCounter, reads_per_round
 
     target = make_target(tmp_path / "t", vocab=32, logit_scale=3.0)
     drafter = make_dflash2_drafter(tmp_path / "d", target_layers=4, vocab=32, block_size=6, top_k=5)
@@ -342,19 +341,4 @@ def test_a_dflash2_round_reads_the_device_once(tmp_path, monkeypatch, method, bu
     engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=30, ignore_eos=True))
     engine.add_request([7, 8], SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True))
     engine.step()
-    counter = ReadCounter(monkeypatch)
-    per_round: list[list[str]] = []
-    original_step = ModelRunner.step
-
-    def counted_step(self, reqs):
-        counter.calls, counter.active = [], True
-        try:
-            return original_step(self, reqs)
-        finally:
-            counter.active = False
-            per_round.append(counter.calls)
-
-    monkeypatch.setattr(ModelRunner, "step", counted_step)
-    for _ in range(3):
-        engine.step()
-    assert per_round == [["tolist"]] * 3
+    assert reads_per_round(engine, ReadCounter(monkeypatch), monkeypatch, 3) == [["tolist"]] * 3

@@ -126,24 +126,31 @@ def test_a_round_reads_the_device_once(pairs, monkeypatch, kind, method, budget,
         torch.ones(3)[torch.ones(3, dtype=torch.bool)]
         counter.active = False
         assert counter.calls == ["item", "boolean-mask indexing"]
-        per_round: list[list[str]] = []
-        original_step = ModelRunner.step
+    per_round = reads_per_round(engine, counter, monkeypatch, 3)
+    assert len(per_round) == 3
+    for calls in per_round:
+        assert calls == ["tolist"], calls
 
-        def counted_step(self, reqs):
-            counter.calls = []
-            counter.active = True
-            try:
-                return original_step(self, reqs)
-            finally:
-                counter.active = False
-                per_round.append(counter.calls)
 
-        monkeypatch.setattr(ModelRunner, "step", counted_step)
-        for _ in range(3):
+def reads_per_round(engine: LLMEngine, counter: ReadCounter, monkeypatch, rounds: int) -> list[list[str]]:
+    """The reads and implicit syncs of each of the next `rounds` engine steps' ModelRunner.step
+    (run inside a MaskIndexing mode, so boolean-mask indexing counts too)."""
+    per_round: list[list[str]] = []
+    original_step = ModelRunner.step
+
+    def counted_step(self, reqs):
+        counter.calls, counter.active = [], True
+        try:
+            return original_step(self, reqs)
+        finally:
+            counter.active = False
+            per_round.append(counter.calls)
+
+    monkeypatch.setattr(ModelRunner, "step", counted_step)
+    with MaskIndexing(counter):
+        for _ in range(rounds):
             engine.step()
-        assert len(per_round) == 3
-        for calls in per_round:
-            assert calls == ["tolist"], calls
+    return per_round
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
