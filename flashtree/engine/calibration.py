@@ -97,9 +97,10 @@ class Calibration:
         rounds, not nodes: a round's nodes stand or fall together (a chain stops at its first
         miss) and acceptance comes in streaks, so a round is one observation however many nodes
         it drafted. Its own drafted rounds (fading as the estimate does) count in full, its
-        class's at a tenth and at most 1, since other text is only a hint. While a request takes AR
-        steps its own looks fade faster than its estimate (EVIDENCE_IDLE): the text moves on. Counting nodes made the
-        policy so sure of a stale estimate that it stopped re-trying speculation."""
+        class's at a tenth and at most 1, since other text is only a hint. While a request takes
+        AR steps its own looks fade faster than its estimate (EVIDENCE_IDLE): the text moves on.
+        Counting nodes made the policy so sure of a stale estimate that it stopped re-trying
+        speculation."""
         own = self.rounds[slots] * EVIDENCE_IDLE ** idle
         for c in classes:
             self._pool(c)
