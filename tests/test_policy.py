@@ -552,10 +552,11 @@ def test_gate_replaces_a_window_size_that_measurably_did_worse():
 def test_gate_overrules_forecasts_where_drafting_lost():
     """After the class's exploration, a batch size whose drafting rounds lost to AR on average is
     flagged (the policy then stays on AR steps there, apart from probes); one that paid is not."""
-    from flashtree.engine.gate import MIN_ROUNDS, Gate
+    from flashtree.engine.gate import LOSE_ROUNDS, Gate
 
     gate = Gate()
-    for _ in range(MIN_ROUNDS):
+    for i in range(LOSE_ROUNDS):
+        assert not gate.drafting_loses(0, 16)  # a few lost rounds are not enough
         gate.record(0, 16, tokens=12, seconds=2.0, ar_seconds=1.0, column=2)  # 0.375x AR at 16 rows
         gate.record(0, 1, tokens=4, seconds=2.0, ar_seconds=1.0, column=2)  # 2x AR at one row
     assert gate.drafting_loses(0, 16) and not gate.keep_drafting(0, 16)

@@ -28,7 +28,8 @@ from __future__ import annotations
 import math
 
 MIN_ROUNDS = 8  # drafting rounds a kind explores with before its measured ratio decides
-MARGIN = 1.1  # drafting must beat AR by this much (its average realized ratio)
+MARGIN = 1.1  # drafting must beat AR by this much (its average realized ratio), or lose by it
+LOSE_ROUNDS = 24  # drafting rounds of a batch size before its losses overrule the forecasts
 SIZE_MARGIN = 1.03  # a measured window size must beat the forecast's pick by this much to replace it
 RATE = 0.02  # EMA weight of one round: the average spans streaks (tens of rounds), not one of them
 
@@ -57,12 +58,12 @@ class Gate:
             self.rounds[key] = n + 1
 
     def drafting_loses(self, cls: int, rows: int) -> bool:
-        """True where this batch size's drafting rounds (MIN_ROUNDS or more) have, on average, not
-        even matched AR: the forecasts are overruled there too (only their probes still draft,
-        and those keep the average current)."""
+        """True where this batch size's drafting rounds have, on average over LOSE_ROUNDS or more,
+        lost to AR by MARGIN: the forecasts are overruled there too (only their probes still draft,
+        and those keep the average current). It takes more rounds than keeping drafting does: a
+        few cold rounds at a request's start must not lock a class out that pays on average."""
         key = (cls, bucket(rows))
-        return self.rounds.get((cls,), 0) >= MIN_ROUNDS and self.rounds.get(key, 0) >= MIN_ROUNDS \
-            and self.log_ratio[key] < 0.0
+        return self.rounds.get(key, 0) >= LOSE_ROUNDS and self.log_ratio[key] < -math.log(MARGIN)
 
     def column(self, cls: int, rows: int, chosen: int, columns: int) -> int:
         """The window column to draft at: the forecast's choice, unless another column has
