@@ -220,16 +220,22 @@ class DFlashDrafter(nn.Module):
 
 def load_drafter(name_or_path, target: nn.Module, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
     """Load a z-lab DFlash checkpoint (streamed in like a target) and check that it fits `target`."""
-    from flashtree.models.loader import default_dtype, load_checkpoint, meta_device, read_config, resolve
+    from flashtree.models.loader import read_config, resolve
 
     path = resolve(name_or_path)
     config = read_config(path)
     archs = getattr(config, "architectures", None) or []
     if "DFlashDraftModel" not in archs:
         raise FlashtreeError(f"{path} is not a DFlash drafter (architectures {archs}); expected DFlashDraftModel")
-    args = DFlashArgs.from_hf(config)
+    return build_drafter(DFlashDrafter, DFlashArgs.from_hf(config), path, target, dtype, device)
+
+
+def build_drafter(cls: type, args, path, target: nn.Module, dtype: torch.dtype, device: torch.device):
+    """A drafter of class `cls` built on `meta`, checked against `target`, filled from `path`."""
+    from flashtree.models.loader import default_dtype, load_checkpoint, meta_device
+
     with meta_device(), default_dtype(dtype):
-        drafter = DFlashDrafter(args)
+        drafter = cls(args)
     drafter.check_target(target)
     load_checkpoint(drafter, path, torch.device(device))
     drafter.source_dir = path

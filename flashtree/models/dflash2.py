@@ -240,7 +240,7 @@ def top_candidates(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
 def load_drafter(name_or_path, target: nn.Module, dtype: torch.dtype, device: torch.device) -> DFlashDrafter:
     """Load a DFlash-1 or DFlash2 checkpoint (by its `architectures`) and check that it fits `target`."""
     from flashtree.models import dflash
-    from flashtree.models.loader import default_dtype, load_checkpoint, meta_device, read_config, resolve
+    from flashtree.models.loader import read_config, resolve
 
     path = resolve(name_or_path)
     config = read_config(path)
@@ -250,12 +250,7 @@ def load_drafter(name_or_path, target: nn.Module, dtype: torch.dtype, device: to
     if args.vocab_size != target.vocab_size:
         raise FlashtreeError(f"DFlash2 drafter vocab_size {args.vocab_size} != target vocab size {target.vocab_size}; "
                              "its codebooks index the target's tokens: use a drafter trained for this target")
-    with meta_device(), default_dtype(dtype):
-        drafter = DFlash2Drafter(args)
-    drafter.check_target(target)
-    load_checkpoint(drafter, path, torch.device(device))
-    drafter.source_dir = path
-    return drafter.eval()
+    return dflash.build_drafter(DFlash2Drafter, args, path, target, dtype, device)
 
 
 def dflash2_config(args: DFlash2Args, dtype: torch.dtype = torch.float32) -> dict:

@@ -57,8 +57,18 @@ def _train(a: argparse.Namespace) -> None:
     train(cfg)
 
 
+def _report(results: dict, json_path: str | None) -> None:
+    """Print the tau table; also write the results as JSON when asked."""
+    from flashtree.train.tau import table
+
+    print(table(results))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=2)
+
+
 def _eval(a: argparse.Namespace) -> None:
-    from flashtree.train.tau import EvalConfig, evaluate, table
+    from flashtree.train.tau import EvalConfig, evaluate
 
     kw = {"prompts": a.prompts} if a.prompts else {}
     cfg = EvalConfig(target=a.target, drafter=a.drafter, methods=a.methods.split(","),
@@ -66,25 +76,17 @@ def _eval(a: argparse.Namespace) -> None:
                      chat_template=a.chat_template, limit=a.limit, max_batch=a.max_batch, device=a.device,
                      dtype=a.dtype, tensor_parallel_size=a.tensor_parallel_size,
                      use_selector=False if a.no_selector else None, **kw)
-    results = evaluate(cfg)
-    print(table(results))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=2)
+    _report(evaluate(cfg), a.json)
 
 
 def _compare(a: argparse.Namespace) -> None:
-    from flashtree.train.tau import CompareConfig, compare, table
+    from flashtree.train.tau import CompareConfig, compare
 
     kw = {"prompts": a.prompts} if a.prompts else {}
     cfg = CompareConfig(variants=a.variants.split(","), target=a.target, method=a.method, budget=a.budget,
                         max_tokens=a.max_tokens, temperature=a.temperature, limit=a.limit, max_batch=a.max_batch,
                         dtype=a.dtype, **kw)
-    results = compare(cfg)
-    print(table(results))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=2)
+    _report(compare(cfg), a.json)
 
 
 def _branch(a: argparse.Namespace) -> None:
