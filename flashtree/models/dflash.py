@@ -278,9 +278,10 @@ def drafter_config(args: DFlashArgs, dtype: torch.dtype = torch.float32) -> dict
     }
 
 
-def save_drafter(drafter: DFlashDrafter, out_dir) -> None:
+def save_drafter(drafter: DFlashDrafter, out_dir, config: dict | None = None) -> None:
     """Write a z-lab format drafter directory (config.json + model.safetensors), with q/k/v and
-    gate/up stored apart as the hub layout has them."""
+    gate/up stored apart as the hub layout has them. config: the config.json to write (default:
+    the DFlash-1 layout of drafter.args)."""
     import json
     from pathlib import Path
 
@@ -292,5 +293,5 @@ def save_drafter(drafter: DFlashDrafter, out_dir) -> None:
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in hub_state_dict(drafter).items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = drafter_config(drafter.args, drafter.fc.weight.dtype)
+    cfg = config if config is not None else drafter_config(drafter.args, drafter.fc.weight.dtype)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

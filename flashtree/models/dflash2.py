@@ -49,9 +49,7 @@ Tokens outside the top-K are never drafted. The greedy chain takes argmax_c s_l(
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -272,13 +270,4 @@ def save_drafter(drafter: DFlashDrafter, out_dir) -> None:
 
     if not isinstance(drafter, DFlash2Drafter):
         return dflash.save_drafter(drafter, out_dir)
-    from safetensors.torch import save_file
-
-    from flashtree.models.loader import hub_state_dict
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in hub_state_dict(drafter).items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = dflash2_config(drafter.args, drafter.fc.weight.dtype)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    dflash.save_drafter(drafter, out_dir, dflash2_config(drafter.args, drafter.fc.weight.dtype))
