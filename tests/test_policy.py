@@ -162,7 +162,8 @@ def _requests(n: int, temperature: float = 0.0) -> list[Request]:
     return reqs
 
 
-def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float, confidence: float = 0.8) -> None:
+def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float, confidence: float = 0.8,
+          geometric: bool = False) -> None:
     """Pretend the round ran, with a drafter whose spine reach is confidence^depth and whose trees
     are chains, and a target that accepts each spine node with probability `accept`."""
     D, k = max(plan.depth, 1), plan.drafting
@@ -173,54 +174,65 @@ def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float, c
     extras[:, 2 * cols : 2 * cols + D] = raw
     extras[:, 2 * cols + D : 2 * cols + 3 * D : 2] = raw  # predicted, spine kind
     extras[:, 2 * cols + 3 * D :: 2] = raw * accept  # observed, spine kind
+    if plan.arm is not None and not plan.learn:
+        extras = np.zeros((k, 0))
+    if plan.measure:  # the selector's: accepted tokens per tree size, the spine's run, not censored
+        m = plan.measure
+        measured = np.zeros((k, m + 2))
+        if geometric:  # depth d accepted with probability accept^d: bigger trees add less
+            curve = np.cumsum(accept ** np.arange(1, D + 1))
+            measured[:, :m], measured[:, m] = curve[np.minimum(policy.grid[:m], D) - 1], curve[-1]
+        else:
+            measured[:, :m], measured[:, m] = accept * np.minimum(policy.grid[:m], D), accept * D
+        extras = np.concatenate([extras, measured], 1)
     accepted = [int(round(accept * min(D, 15))) if m != AR else 0 for m in plan.modes]
-    policy.observe(plan, [r.slot for r in reqs], extras, accepted)
+    policy.observe(plan, [r.slot for r in reqs], extras if k else None, accepted)
 
 
-def test_choice_follows_cost_and_batch():
-    """Cheap verify nodes buy big windows; expensive ones small windows or AR; and the same
+def test_split_follows_cost_and_batch():
+    """The per-request split (mixed batches). Cheap verify nodes buy big windows; expensive ones small windows or AR; and the same
     acceptance that pays for trees at batch 1 buys a smaller window at batch 16."""
     reqs = _requests(1)
-    cheap = Policy(_cost(1e-5), 16, 16, 64, 4096).plan(reqs)
-    steep = Policy(_cost(2e-2), 16, 16, 64, 4096).plan(reqs)
+    cheap = Policy(_cost(1e-5), 16, 16, 64, 4096).split(reqs)
+    steep = Policy(_cost(2e-2), 16, 16, 64, 4096).split(reqs)
     assert cheap.window > 8 and cheap.drafting == 1
     assert steep.window <= 2 or steep.drafting == 0
     one = Policy(_cost(2e-4), 16, 16, 64, 4096)
     many = Policy(_cost(2e-4), 16, 16, 64, 4096)
-    w1 = np.median([one.plan(reqs).window for _ in range(20)])
-    w16 = np.median([many.plan(_requests(16)).window for _ in range(20)])
+    w1 = np.median([one.split(reqs).window for _ in range(20)])
+    w16 = np.median([many.split(_requests(16)).window for _ in range(20)])
     assert w16 < w1
 
 
-def test_collapse_goes_to_ar_and_probes_back():
-    """When nothing drafted is ever accepted the policy stops drafting, yet it keeps probing now and
+def test_split_collapse_goes_to_ar_and_probes_back():
+    """The per-request split: when nothing drafted is ever accepted the policy stops drafting, yet it keeps probing now and
     then (a small share of rounds), and once drafts are accepted again it speculates again."""
     policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
     reqs = _requests(1, temperature=1.0)
     modes = []
     for _ in range(400):
-        plan = policy.plan(reqs)
+        plan = policy.split(reqs)
         modes.append(plan.modes[0])
         _feed(policy, plan, reqs, accept=0.0)
     late = modes[100:]
     assert late.count(AR) / len(late) > 0.9
     assert any(m != AR for m in late)  # still probing
     for _ in range(300):  # the drafter turns right: the next probes see it
-        plan = policy.plan(reqs)
+        plan = policy.split(reqs)
         modes.append(plan.modes[0])
         _feed(policy, plan, reqs, accept=1.0)
     assert modes[-50:].count(AR) < 10
 
 
-def test_right_drafter_speculates_at_once():
-    """A drafter the target always agrees with: the policy drafts from the first rounds on, with big
+def test_split_right_drafter_speculates_at_once():
+    """The per-request split, with a drafter the target always agrees with: the policy drafts from the first rounds on, with big
     windows, and never settles on AR (the failure on the demo pair was the opposite: a policy that
     under-forecast a good drafter and stayed on AR)."""
     policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
     reqs = _requests(1)
     modes, windows = [], []
     for _ in range(60):
-        plan = policy.plan(reqs)
+        plan = policy.split(reqs)
         modes.append(plan.modes[0])
         windows.append(plan.window)
         _feed(policy, plan, reqs, accept=1.0)
@@ -228,32 +240,78 @@ def test_right_drafter_speculates_at_once():
     assert np.median(windows[2:]) > 8
 
 
-def test_streak_after_cold_stretch_is_found_quickly():
-    """Greedy acceptance comes in streaks (text falls into a copy). After a long cold stretch on AR
+def test_split_finds_a_streak_after_a_cold_stretch():
+    """The per-request split. Greedy acceptance comes in streaks (text falls into a copy). After a long cold stretch on AR
     steps, a request whose class has won big before is re-tested every few rounds, so a streak
     that starts is found within a few rounds, not dozens, and then kept."""
     policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
     first = _requests(1)
     for _ in range(30):  # an earlier request of the class: drafts paid big
-        plan = policy.plan(first)
+        plan = policy.split(first)
         _feed(policy, plan, first, accept=1.0)
     reqs = _requests(1)
     reqs[0].slot = 0
     for _ in range(60):  # this one goes cold, and its drafts are unsure: the policy moves to AR steps
-        plan = policy.plan(reqs)
+        plan = policy.split(reqs)
         _feed(policy, plan, reqs, accept=0.0, confidence=0.3)
     for n in range(40):  # the streak starts
-        plan = policy.plan(reqs)
+        plan = policy.split(reqs)
         _feed(policy, plan, reqs, accept=1.0)
         if plan.modes[0] != AR:
             break
     assert n < 12, f"the streak was found only after {n} rounds"
     following = []
     for _ in range(10):
-        plan = policy.plan(reqs)
+        plan = policy.split(reqs)
         following.append(plan.modes[0])
         _feed(policy, plan, reqs, accept=1.0)
     assert following.count(AR) <= 1
+
+
+def _run(policy: Policy, reqs: list[Request], rounds: int, accept: float, geometric: bool = False) -> list[RoundPlan]:
+    plans = []
+    for _ in range(rounds):
+        plan = policy.plan(reqs)
+        plans.append(plan)
+        _feed(policy, plan, reqs, accept=accept, geometric=geometric)
+    return plans
+
+
+def test_selector_follows_cost_and_batch():
+    """Requests that sample alike get the selector's measured arm: cheap verify nodes buy big trees,
+    steep ones AR steps (after the opening rounds), and the acceptance that pays for a big tree at
+    batch 1 buys a smaller one at batch 16. Every row of a round does the same."""
+    cheap = _run(Policy(_cost(1e-5), 16, 16, 64, 4096), _requests(1), 40, 0.8)
+    steep = _run(Policy(_cost(2e-2), 16, 16, 64, 4096), _requests(1), 40, 0.5)
+    assert all(p.arm is not None for p in cheap + steep)
+    assert np.median([p.window for p in cheap[10:]]) >= 16  # the chain (window 16) or a bigger tree
+    assert sum(p.drafting for p in steep[10:]) <= 2
+    one = _run(Policy(_cost(2e-3), 16, 16, 64, 4096), _requests(1), 40, 0.9, geometric=True)
+    w1 = np.median([p.window for p in one[10:]])
+    many = _run(Policy(_cost(2e-3), 16, 16, 64, 4096), _requests(16), 40, 0.9, geometric=True)
+    assert all(len(set(p.modes)) == 1 for p in many)
+    assert np.median([p.window for p in many[10:]]) < w1
+
+
+def test_selector_collapse_goes_to_ar_and_still_probes():
+    """When nothing drafted is accepted the selector goes to AR steps within a few rounds, and from
+    then on its probes cost a small share of the time, smaller the more drafting loses (here a
+    one-node tree costs 1.4x an AR step: a few percent of rounds; at 3x, well under 1%), yet
+    never stop."""
+    for per_node, share in ((2e-4, 0.05), (2e-2, 0.01)):
+        plans = _run(Policy(_cost(per_node), 16, 16, 64, 4096), _requests(1, temperature=1.0), 3000, accept=0.0)
+        late = [p.drafting for p in plans[20:]]
+        assert 0 < sum(late) < share * len(late)
+
+
+def test_mixed_batches_are_split_per_request():
+    """A batch whose requests sample differently is planned per request (the split), and the
+    split may treat its rows differently."""
+    policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
+    reqs = _requests(2)
+    reqs[1].params = SamplingParams(temperature=1.0)
+    plan = policy.plan(reqs)
+    assert plan.arm is None
 
 
 # ---- the engine -------------------------------------------------------------------------
@@ -508,57 +566,3 @@ def test_metrics_expose_the_policy():
                  "flashtree_policy_draft_nodes_sum 31.0", "flashtree_policy_predicted_accepted_sum 3.75",
                  "flashtree_policy_predicted_accepted_count 2.0", "flashtree_policy_accepted_sum 4.0"):
         assert line in text, line
-
-
-def test_gate_explores_then_follows_measured_ratio():
-    """A class drafts its first MIN_ROUNDS rounds; after that a batch size whose drafting rounds
-    beat AR (at the cost model's prices) keeps drafting, one whose rounds lose does not; a batch
-    size with no drafting rounds of its own leaves the decision to the forecasts."""
-    from flashtree.engine.gate import MIN_ROUNDS, Gate
-
-    gate = Gate()
-    assert gate.keep_drafting(0, 1) and gate.keep_drafting(7, 4)  # nothing known: explore
-    for _ in range(MIN_ROUNDS):
-        gate.record(0, 1, tokens=5, seconds=2.0, ar_seconds=1.0, column=3)  # 2.5 tokens per AR-round time
-        gate.record(7, 1, tokens=1, seconds=2.0, ar_seconds=1.0, column=3)  # half of AR's rate
-    assert gate.keep_drafting(0, 1) and gate.ratio(0, 1) == pytest.approx(2.5)
-    assert not gate.keep_drafting(7, 1) and gate.ratio(7, 1) == pytest.approx(0.5)
-    assert not gate.keep_drafting(0, 16)  # explored as a class, but nothing measured at this size
-    # One cold stretch does not switch off a batch size that has paid off for a while: the
-    # average spans streaks.
-    for _ in range(32):
-        gate.record(0, 1, tokens=5, seconds=2.0, ar_seconds=1.0, column=3)
-    for _ in range(10):
-        gate.record(0, 1, tokens=1, seconds=2.0, ar_seconds=1.0, column=3)
-    assert gate.keep_drafting(0, 1)
-
-
-def test_gate_replaces_a_window_size_that_measurably_did_worse():
-    """The forecast's window column stands until measured; a column measured better (by the
-    margin) replaces a measured worse one, a close one does not."""
-    from flashtree.engine.gate import MIN_ROUNDS, Gate
-
-    gate = Gate()
-    for _ in range(MIN_ROUNDS):
-        gate.record(0, 1, tokens=6, seconds=2.0, ar_seconds=1.0, column=5)
-        gate.record(0, 1, tokens=4, seconds=2.0, ar_seconds=1.0, column=2)
-        gate.record(0, 1, tokens=6, seconds=2.0, ar_seconds=1.0, column=4)  # ties with 5
-    assert gate.column(0, 1, chosen=7, columns=8) == 7  # never measured: the forecast explores it
-    assert gate.column(0, 1, chosen=2, columns=8) in (4, 5)
-    assert gate.column(0, 1, chosen=4, columns=8) == 4  # within the margin of the best
-    assert gate.column(0, 1, chosen=2, columns=3) == 2  # the better columns are out of reach
-
-
-def test_gate_overrules_forecasts_where_drafting_lost():
-    """After the class's exploration, a batch size whose drafting rounds lost to AR on average is
-    flagged (the policy then stays on AR steps there, apart from probes); one that paid is not."""
-    from flashtree.engine.gate import LOSE_ROUNDS, Gate
-
-    gate = Gate()
-    for i in range(LOSE_ROUNDS):
-        assert not gate.drafting_loses(0, 16)  # a few lost rounds are not enough
-        gate.record(0, 16, tokens=12, seconds=2.0, ar_seconds=1.0, column=2)  # 0.375x AR at 16 rows
-        gate.record(0, 1, tokens=4, seconds=2.0, ar_seconds=1.0, column=2)  # 2x AR at one row
-    assert gate.drafting_loses(0, 16) and not gate.keep_drafting(0, 16)
-    assert not gate.drafting_loses(0, 1) and gate.keep_drafting(0, 1)
-    assert not gate.drafting_loses(0, 4)  # never measured at this size

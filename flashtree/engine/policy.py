@@ -40,13 +40,14 @@ clearer it is), so that steady state costs almost no host time per round.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from flashtree.engine.calibration import Calibration, sampling_class
 from flashtree.engine.cost_model import CostModel
-from flashtree.engine.gate import Gate
+from flashtree.engine.selector import AR_ARM, CHAIN_ARM, Selector
 from flashtree.engine.sequence import Request
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -70,6 +71,7 @@ STREAK_DECAY, STREAK_PRIOR = 0.5, 1.0  # the request's recent accepted / forecas
 CHAIN_MARGIN = 1.3  # a chain row must forecast this many times the tree's accepted tokens
 RECORD_DECAY, RECORD_PRIOR = 0.97, 4.0  # chains' accepted / planned record per class: fade per round, prior
 MAX_HOLD = 64  # rounds an all-AR plan may be reused without re-planning
+LEARN_EVERY = 8  # the selector's drafting rounds per one that also feeds the forecasts
 
 
 @dataclass
@@ -89,6 +91,9 @@ class RoundPlan:
     ar_seconds: float = 0.0  # what the round would have taken on AR steps only (auto)
     learn: bool = False  # read back curves and calibration data (auto only)
     column: int = 0  # the window's grid index (auto only)
+    arm: int | None = None  # the selector's arm (selector.py), for a batch whose requests sample alike
+    cls: int = 0  # ... and their sampling class
+    measure: int = 0  # tree columns whose accepted tokens the round reads back for the selector
 
     @property
     def drafting(self) -> int:
@@ -159,7 +164,9 @@ class Policy:
         self.hold: tuple[list[str], RoundPlan] | None = None  # an all-AR plan reused while the batch stays
         self.hold_left = 0
         self.next_probe = 0.0  # credit (seconds) the last unaffordable probe needed: a hold ends there
-        self.gate = Gate()  # where drafting has measurably beaten AR steps, it is not given up (gate.py)
+        self.selector = Selector(self.grid, self.depth)  # batches whose requests sample alike (selector.py)
+        self._arms: dict[int, tuple[int, dict[int, float], dict[int, RoundPlan]]] = {}
+        self.selected = 0  # drafting rounds the selector has planned
 
     # ---- per-request state ---------------------------------------------------------------
 
@@ -274,6 +281,16 @@ class Policy:
     # ---- the plan ---------------------------------------------------------------------------
 
     def plan(self, reqs: list[Request]) -> RoundPlan:
+        """The selector's measured arm for a batch whose requests sample alike; the per-request
+        split where they do not."""
+        classes = {sampling_class(r.params) for r in reqs}
+        if len(classes) == 1:
+            return self._select(reqs, classes.pop())
+        return self.split(reqs)
+
+    def split(self, reqs: list[Request]) -> RoundPlan:
+        """Per request, from its forecasts: AR, the chain or a tree, the node budget spent by
+        marginal gain (the module docstring)."""
         R = len(reqs)
         ids = [r.request_id for r in reqs]
         if self.hold_left and ids != self.hold[0] and set(ids) < set(self.hold[0]):
@@ -300,19 +317,13 @@ class Policy:
         t = self._cost_tables(R)
         plan = RoundPlan([AR] * R, predicted=[0.0] * R, seconds=t["ar"], learn=True)
         rate = R / t["ar"]
-        classes = {self.cls[s] for s in slots}
-        keep_drafting = len(classes) == 1 and self.gate.keep_drafting(next(iter(classes)), R)
-        if len(classes) == 1 and self.gate.drafting_loses(next(iter(classes)), R):
-            # measured: drafting at this batch size has not paid; probes still re-test it
-            self.hold, self.hold_left = (ids, plan), MAX_HOLD // 4
-            cols = 0
         if cols > 0:
             n = self.calibration.evidence(slots, [self.cls[s] for s in slots], self.idle[slots])
             luck = self.rng.gamma(n, 1.0 / n)  # explore where the evidence is thin
             # Cheap exit, the steady state of a batch that does not pay: even every row's best
             # gain at the cheapest drafting round cannot beat AR.
             best = np.maximum(et.max(1), ec.max(1))
-            if not keep_drafting and (R + luck @ best) / t["spec_min"] <= rate:
+            if (R + luck @ best) / t["spec_min"] <= rate:
                 cols = 0
                 self._hold(ids, plan, self._pool_ratio(slots, t, rate, cap))
         if cols > 0:
@@ -325,10 +336,7 @@ class Policy:
             gain = np.where(use_tree, gain_t, gain_c)
             rates, order, seconds = self._rates(R, gain * luck[:, None], use_tree, t, cols)
             k, j = np.unravel_index(np.argmax(rates), rates.shape)
-            if keep_drafting:  # the window size that measurably did best, if not the forecast's
-                j = self.gate.column(next(iter(classes)), R, int(j), cols)
-                k = int(np.argmax(rates[:, j]))
-            if rates[k, j] <= rate and not keep_drafting:
+            if rates[k, j] <= rate:
                 self._hold(ids, plan, self._pool_ratio(slots, t, rate, cap))
             else:
                 rows = [int(i) for i in order[: k + 1, j]]
@@ -341,6 +349,53 @@ class Policy:
         self.rounds += 1
         self.idle[[slots[i] for i, m in enumerate(plan.modes) if m == AR]] += 1
         return plan
+
+    def _select(self, reqs: list[Request], cls: int) -> RoundPlan:
+        """A batch whose requests sample alike: the selector's measured arm, every row alike, as
+        the fixed method's plan (no per-row plan). One drafting round in LEARN_EVERY also reads
+        back the forecasts' data, so mixed batches find them current."""
+        R = len(reqs)
+        slots = [r.slot for r in reqs]
+        for r in reqs:
+            if self._claim(r):
+                self._refresh([r.slot])
+        seconds, plans = self._arm_table(R)
+        arm, _ = self.selector.choose(cls, R, seconds, plans[AR_ARM].seconds)
+        plan = plans[arm]
+        self.rounds += 1
+        if arm == AR_ARM:
+            self.selector.idle(cls)
+            self.idle[slots] += 1
+            return plan
+        self.selected += 1
+        plan = dataclasses.replace(plan, modes=list(plan.modes), draft_rows=list(plan.draft_rows),
+                                   predicted=[self.selector.predicted(cls, arm)] * R, cls=cls,
+                                   learn=self.selected % LEARN_EVERY == 0)
+        return plan
+
+    def _arm_table(self, R: int) -> tuple[dict[int, float], dict[int, RoundPlan]]:
+        """Per arm that fits a batch of R (max_round_tokens), its predicted seconds and its plan;
+        rebuilt as the cost model refines."""
+        key = self.cost.refined // 16
+        hit = self._arms.get(R)
+        if hit is not None and hit[0] == key:
+            return hit[1], hit[2]
+        t = self._cost_tables(R)
+        cap = min(int(self.grid[-1]), self.max_round_tokens // R - 1)
+        cols = int(np.searchsorted(self.grid, cap, side="right"))
+        seconds = {AR_ARM: t["ar"]}
+        plans = {AR_ARM: RoundPlan([AR] * R, predicted=[0.0] * R, seconds=t["ar"], ar_seconds=t["ar"], arm=AR_ARM)}
+        for j in range(cols):
+            seconds[j] = self._seconds(t, R, R, j)
+            plans[j] = dataclasses.replace(fixed_plan(R, "ddtree", self.depth + 1, int(self.grid[j])), column=j,
+                                           seconds=seconds[j], ar_seconds=t["ar"], arm=j, measure=j + 1)
+        if self.depth <= cap:
+            j = self.selector.chain_column()
+            seconds[CHAIN_ARM] = self._seconds(t, R, 0, j)
+            plans[CHAIN_ARM] = dataclasses.replace(fixed_plan(R, "dflash", self.depth + 1, 0), column=j,
+                                                   seconds=seconds[CHAIN_ARM], ar_seconds=t["ar"], arm=CHAIN_ARM)
+        self._arms[R] = (key, seconds, plans)
+        return seconds, plans
 
     def _rates(self, R: int, gain: np.ndarray, use_tree: np.ndarray, t: dict, cols: int):
         """[R, cols] predicted tokens/s when the first k+1 rows by gain draft at window column j,
@@ -450,6 +505,17 @@ class Policy:
 
     # ---- learning ---------------------------------------------------------------------------
 
+    def _observe_arm(self, plan: RoundPlan, extras: np.ndarray | None, accepted: list[int]) -> np.ndarray | None:
+        """The selector's share of a round it planned; returns the forecasts' share of extras (or None)."""
+        if plan.arm == CHAIN_ARM:
+            self.selector.observe(plan.cls, len(accepted), None, np.array(accepted, dtype=float), True)
+            return extras
+        m = plan.measure
+        measured = extras[:, -(m + 2):]
+        self.selector.observe(plan.cls, len(accepted), measured[:, :m], measured[:, m], False,
+                              censored=measured[:, m + 1] > 0)
+        return extras[:, : -(m + 2)] if extras.shape[1] > m + 2 else None
+
     def curve_columns(self, plan: RoundPlan) -> int:
         """Tree-curve columns the round reads back: the grid sizes up to the tree's budget."""
         return int(np.searchsorted(self.grid, plan.budget, side="right")) if plan.budget else 0
@@ -459,14 +525,10 @@ class Policy:
         runner.round_extras): spine nodes and branch reach of the top-b tree at the grid columns,
         the spine reach per depth, then per depth and kind the drafter's predicted accepted nodes
         and the observed ones. accepted: drafted tokens accepted, per batch row."""
-        if extras is None or not plan.drafting:
+        if plan.arm is not None and plan.drafting:
+            extras = self._observe_arm(plan, extras, accepted)
+        if extras is None or not plan.drafting or not plan.learn:
             return
-        classes_here = {self.cls[s] for s in slots}
-        if len(classes_here) == 1:
-            # Realized tokens at the cost model's prices (refined online from measured rounds): a
-            # measured drafting round against a predicted AR round would mix two scales.
-            self.gate.record(next(iter(classes_here)), len(slots), len(slots) + sum(accepted), plan.seconds,
-                             plan.ar_seconds, plan.column)
         rows = plan.draft_rows
         k = len(rows)
         ds = [slots[i] for i in rows]

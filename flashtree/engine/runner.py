@@ -44,7 +44,8 @@ from flashtree.sampling import SamplingParams
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
 from flashtree.tree.markov import build_markov_chain, build_markov_tree
 from flashtree.tree.mix import cat_rows, pad_spec, place_rows, root_only
-from flashtree.tree.value import SPINE, depth_mass, node_kinds, node_reach, path_reach, value_curve, walked_mass
+from flashtree.tree.value import (SPINE, accepted_by_size, depth_mass, node_kinds, node_reach, path_reach,
+                                  spine_run, value_curve, walked_mass)
 
 SAVE_AFTER = 256  # rounds of online refinement after which the cost cache is rewritten (once)
 AR_REFINE_EVERY = 8  # plain AR rounds are timed into the cost model one in this many
@@ -151,6 +152,7 @@ class ModelRunner:
                                                           "off" if tp else config.cost_cache,
                                                           float("inf") if tp else DEFAULT_SECONDS)
             self.policy = Policy(cost, config.max_batch, self.block_size, config.max_budget, config.max_round_tokens)
+            self.grid_cols = torch.tensor(self.policy.grid - 1, device=device)
             w = drafter.fc.weight
             self.deferred = DeferredContext(config.max_batch, w.shape[1], w.dtype, device)
         self.last_plan: RoundPlan | None = None
@@ -317,6 +319,8 @@ class ModelRunner:
         with self.clock.stage("commit"):
             walk = self.run_walk(spec, picks)
             extras = self.round_extras(plan, values, walk, staged, out.logits, picks)
+            if plan.measure:
+                extras = self.measured(plan, spec, walk, extras)
             scores = self.round_logprobs(out.logits, walk.path, walk.tokens, reqs, sampling)
             counts, emitted, logprobs, host_extras = self.read_round(walk.num_nodes, walk.tokens, reqs, extras, scores)
             counts, emitted, logprobs = counts[:real], emitted[:real], logprobs[:real]  # padding rows end here
@@ -455,6 +459,17 @@ class ModelRunner:
             branch = value_curve(part, torch.where(kinds == SPINE, 0.0, raw)).gather(1, cols)
             out["tree"] = torch.cat([spine, branch], 1)
         return out
+
+    def measured(self, plan: RoundPlan, spec: TreeSpec, walk, extras: Tensor | None) -> Tensor:
+        """Append [R, measure + 2] for the selector, which a tree round measures exactly (see
+        selector.py): per row, the drafted tokens the top-b tree would have accepted at each grid
+        column up to the round's, the accepted path's run along the spine (the chain's tokens),
+        and 1 where that run reached the end of a spine shorter than the chain."""
+        tree = accepted_by_size(spec, walk.path).index_select(1, self.grid_cols[: plan.measure])
+        run, length = spine_run(spec, walk.path)
+        censored = (run == length) & (length < self.block_size - 1)
+        m = torch.cat([tree, run[:, None].float(), censored[:, None].float()], 1)
+        return m if extras is None else torch.cat([extras, m.to(extras.dtype)], 1)
 
     def round_extras(self, plan: RoundPlan, values: dict | None, walk, staged: dict[str, Tensor], logits: Tensor,
                      picks: Tensor) -> Tensor | None:

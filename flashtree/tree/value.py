@@ -88,3 +88,29 @@ def walked_mass(spec: TreeSpec, kinds: Tensor, path: Tensor, depth: int) -> Tens
     d = (spec.depths.expand_as(spec.tokens).gather(1, node) - 1).clamp(0, depth - 1)
     out = torch.zeros(R, depth * 2, device=path.device)
     return out.scatter_add_(1, d * 2 + kinds.gather(1, node), took).view(R, depth, 2)
+
+
+def _on_path(spec: TreeSpec, path: Tensor) -> Tensor:
+    """[R, N] float: 1 at the nodes of the accepted path (path as from accept_walk)."""
+    R, N = spec.tokens.shape
+    on = torch.zeros(R, N, device=path.device).scatter_(1, path.clamp(min=0), 1.0)
+    return on  # padding (-1) lands on the root, which is on every path anyway
+
+
+def accepted_by_size(spec: TreeSpec, path: Tensor) -> Tensor:
+    """[R, N-1]: entry b-1 = the drafted tokens the walk would have accepted in the top-b subtree.
+
+    Exact, not an estimate: the top-b subtree is prefix-closed and is the tree a budget-b build
+    gives, and the target's pick at a node depends only on the node's prefix (and, sampled, on
+    noise shared by depth), so the walk there follows this walk's path while the path stays
+    inside it, and then stops: it accepts the path's nodes that are in the subtree."""
+    return value_curve(spec, _on_path(spec, path))
+
+
+def spine_run(spec: TreeSpec, path: Tensor) -> tuple[Tensor, Tensor]:
+    """[R] the accepted path's drafted nodes on the spine (what the chain of best children, as far
+    as this tree holds it, would have accepted) and [R] the spine's drafted length."""
+    spine = spine_mask(spec) & (spec.tokens >= 0)
+    run = (spine & (_on_path(spec, path) > 0))[:, 1:].sum(1)
+    return run, spine[:, 1:].sum(1)
+
