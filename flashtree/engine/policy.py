@@ -72,6 +72,7 @@ CHAIN_MARGIN = 1.3  # a chain row must forecast this many times the tree's accep
 RECORD_DECAY, RECORD_PRIOR = 0.97, 4.0  # chains' accepted / planned record per class: fade per round, prior
 MAX_HOLD = 64  # rounds an all-AR plan may be reused without re-planning
 LEARN_EVERY = 8  # the selector's drafting rounds per one that also feeds the forecasts
+TIME_RATE = 0.1  # EMA weight of one timed round in an arm's measured seconds
 
 
 @dataclass
@@ -167,6 +168,7 @@ class Policy:
         self.selector = Selector(self.grid, self.depth)  # batches whose requests sample alike (selector.py)
         self._arms: dict[int, tuple[int, dict[int, float], dict[int, RoundPlan]]] = {}
         self.selected = 0  # drafting rounds the selector has planned
+        self.timing: dict[tuple[int, int], list] = {}  # (rows, arm) -> [average wall seconds, rounds]
 
     # ---- per-request state ---------------------------------------------------------------
 
@@ -359,8 +361,9 @@ class Policy:
         for r in reqs:
             if self._claim(r):
                 self._refresh([r.slot])
-        seconds, plans = self._arm_table(R)
-        arm, _ = self.selector.choose(cls, R, seconds, plans[AR_ARM].seconds)
+        modelled, plans = self._arm_table(R)
+        seconds = self._measured(R, modelled)
+        arm, _ = self.selector.choose(cls, R, seconds, seconds[AR_ARM])
         plan = plans[arm]
         self.rounds += 1
         if arm == AR_ARM:
@@ -372,6 +375,25 @@ class Policy:
                                    predicted=[self.selector.predicted(cls, arm)] * R, cls=cls,
                                    learn=self.selected % LEARN_EVERY == 0)
         return plan
+
+    def _measured(self, R: int, modelled: dict[int, float]) -> dict[int, float]:
+        """Round seconds per arm as timed (everything a round costs, the engine's work between
+        rounds included); arms not timed yet at this batch size take the cost model's, scaled by
+        how the timed ones compare with it."""
+        timed = {a: self.timing[R, a][0] for a in modelled if self.timing.get((R, a), (0, 0))[1] >= 2}
+        if not timed:
+            return modelled
+        scale = float(np.exp(np.mean([np.log(timed[a] / modelled[a]) for a in timed])))
+        return {a: timed.get(a, modelled[a] * scale) for a in modelled}
+
+    def timed(self, plan: RoundPlan, rows: int, seconds: float) -> None:
+        """A round the selector planned took `seconds` of wall time."""
+        if plan.arm is None or seconds <= 0:
+            return
+        entry = self.timing.setdefault((rows, plan.arm), [seconds, 0])
+        if entry[1]:
+            entry[0] += max(TIME_RATE, 1.0 / (entry[1] + 1)) * (min(seconds, 3.0 * entry[0]) - entry[0])
+        entry[1] += 1
 
     def _arm_table(self, R: int) -> tuple[dict[int, float], dict[int, RoundPlan]]:
         """Per arm that fits a batch of R (max_round_tokens), its predicted seconds and its plan;

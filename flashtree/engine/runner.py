@@ -505,6 +505,7 @@ class ModelRunner:
 
     def learn(self, plan: RoundPlan, slots: list[int], counts: list[int], extras, seconds: float) -> None:
         self.policy.observe(plan, slots, extras, [c - 1 for c in counts])
+        self.policy.timed(plan, len(slots), seconds)
         if not plan.drafting and self.policy.rounds % AR_REFINE_EVERY:
             return  # AR rounds repeat one shape: a sample of them keeps the model current
         s = self.clock.seconds

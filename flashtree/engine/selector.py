@@ -17,8 +17,8 @@ refined from timed rounds):
     rate(arm) = rows * (1 + accepted(arm)) / seconds(rows, arm),   rate(AR) = rows / seconds(AR)
 
 It plays the best measured arm. A small share of round time is credit for exploration: an arm
-whose information is stalest among those that could plausibly win is played when the credit
-covers its expected loss. Where AR wins, that share shrinks with how far drafting trails, so a
+whose information is stalest among those that could plausibly win (the older an estimate, the
+more it may be off) is played when the credit covers its expected loss. Where AR wins, that share shrinks with how far drafting trails, so a
 class whose drafts never pay (T = 1 with a weak drafter) hardly ever drafts. A class seen for the
 first time drafts its first rounds with the largest tree that costs at most twice the cheapest
 drafting round, so that one round measures many sizes.
@@ -30,7 +30,7 @@ extra data read back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -40,7 +40,7 @@ COLD_ROUNDS = 3  # drafting rounds a new class opens with (the exploration tree)
 COLD_COST = 2.0  # the opening tree may cost this many times the cheapest drafting round
 EXPLORE_SHARE = 0.04  # share of round time that pays for exploration while drafting wins
 PROBE_MIN = 0.002  # ... and where AR wins by a wide margin
-PLAUSIBLE = 0.8  # arms explored: those within this factor of the best rate
+STALE_HOPE, STALE_ROUNDS = 0.5, 50  # an arm unobserved this many rounds may be worth up to 1.5x its estimate
 AR_ARM, CHAIN_ARM = -2, -1  # arms: AR, the chain, or a tree grid column (>= 0)
 
 
@@ -55,7 +55,7 @@ class ClassStats:
     rounds: int = 0  # drafting rounds observed
     credit: float = 0.0  # seconds of exploration the class may spend
     changed: bool = True
-    cache: dict = field(default_factory=dict)  # rows -> (rates, tokens) until the next observation
+    estimate: tuple = ()  # accepted()'s, until the next observation
 
 
 class Selector:
@@ -90,7 +90,9 @@ class Selector:
             for k in range(j + 1, G):
                 step *= 0.7
                 tree[k] = min(self.depth, tree[k - 1] + max(step, 0.0))
-            tree[:j] = np.maximum.accumulate(np.where(seen[:j], tree[:j], 0.0))
+            # A bigger tree accepts no less (exactly so within one round); columns last measured
+            # long ago must not undercut fresher smaller ones.
+            tree = np.maximum.accumulate(np.where(seen | (np.arange(G) > j), tree, 0.0))
         chain = s.acc[G] if s.seen[G] > 0 else float(tree[self.chain_column()])
         return tree, chain
 
@@ -100,18 +102,13 @@ class Selector:
     def rates(self, cls: int, rows: int, seconds: dict[int, float], ar_seconds: float) -> dict[int, float]:
         """Predicted tokens per second of every arm that fits (`seconds`: arm -> round seconds)."""
         s = self._class(cls)
-        hit = s.cache.get(rows)
-        if hit is not None and not s.changed and hit[0] is seconds:
-            return hit[1]
-        tree, chain = self.accepted(cls)
+        if s.changed:
+            s.estimate, s.changed = self.accepted(cls), False
+        tree, chain = s.estimate
         out = {AR_ARM: rows / ar_seconds}
         for arm, sec in seconds.items():
-            if arm == AR_ARM:
-                continue
-            a = chain if arm == CHAIN_ARM else float(tree[arm])
-            out[arm] = rows * (1.0 + a) / sec
-        s.cache[rows] = (seconds, out)
-        s.changed = False
+            if arm != AR_ARM:
+                out[arm] = rows * (1.0 + (chain if arm == CHAIN_ARM else float(tree[arm]))) / sec
         return out
 
     # ---- the choice --------------------------------------------------------------------------
@@ -136,7 +133,10 @@ class Selector:
         if best == AR_ARM:  # exploration shrinks with how far the best drafting arm trails
             share = PROBE_MIN + (EXPLORE_SHARE - PROBE_MIN) * min(1.0, max(0.0, (top / rates[AR_ARM] - 0.5) / 0.5))
         s.credit = min(s.credit + share * seconds.get(best, ar_seconds), 8.0 * max(seconds.values()))
-        plausible = [a for a in drafting if a != best and rates[a] >= PLAUSIBLE * rates[best]]
+        # Candidates: arms whose rate, with optimism growing as their information ages, reaches the
+        # best's (an estimate that is low because it is stale must not lock its arm out).
+        plausible = [a for a in drafting if a != best
+                     and rates[a] * (1.0 + STALE_HOPE * min(1.0, self._age(s, a) / STALE_ROUNDS)) >= rates[best]]
         if not plausible and best == AR_ARM:
             plausible = [max(drafting, key=rates.get)]
         if plausible:

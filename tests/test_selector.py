@@ -1,0 +1,118 @@
+"""The selector's measurement (tree/value.py accepted_by_size, spine_run): one verified tree gives
+exactly what every smaller exact tree, and the chain, would have accepted. And the selector's
+choices (engine/selector.py) on synthetic acceptance and costs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flashtree.engine.selector import AR_ARM, CHAIN_ARM, COLD_ROUNDS, Selector
+from flashtree.tree import accept_walk, build_chain, build_tree
+from flashtree.tree.markov import build_markov_chain, build_markov_tree
+from flashtree.tree.value import accepted_by_size, spine_run
+
+
+def _picks(spec, table: torch.Tensor) -> torch.Tensor:
+    """A target whose pick at a node depends only on the node's depth and token (so on its prefix):
+    the same node gets the same pick in any tree that holds it."""
+    R = spec.tokens.shape[0]
+    depth = spec.depths.expand_as(spec.tokens)
+    rows = torch.arange(R)[:, None].expand_as(spec.tokens)
+    return table[rows, depth, spec.tokens.clamp(min=0)]
+
+
+def _table(draft_best: torch.Tensor, V: int, g: torch.Generator) -> torch.Tensor:
+    """[R, D+1, V]: mostly the drafter's best token at the next depth, else its second, else random."""
+    R, D, _ = draft_best.shape
+    u = torch.rand(R, D + 1, V, generator=g)
+    nxt = torch.cat([draft_best, draft_best[:, -1:]], 1)  # depth d's pick drafts depth d+1's token
+    rand = torch.randint(0, V, (R, D + 1, V), generator=g)
+    return torch.where(u < 0.6, nxt[..., :1], torch.where(u < 0.85, nxt[..., 1:2], rand))
+
+
+@pytest.mark.parametrize("markov", [False, True])
+def test_one_tree_measures_every_smaller_tree_and_the_chain(markov):
+    g = torch.Generator().manual_seed(3)
+    R, D, V, K, B = 6, 7, 12, 4, 40
+    roots = torch.randint(0, V, (R,), generator=g)
+    if markov:
+        cand = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(R * D)]).view(R, D, K)
+        trans = torch.log_softmax(2 * torch.randn(R, D, K, K, generator=g), -1)
+        build = lambda b: build_markov_tree(roots, cand, trans, b)  # noqa: E731
+        chain = build_markov_chain(roots, cand, trans)
+        best = cand[..., :2]
+    else:
+        logits = 3 * torch.randn(R, D, V, generator=g)
+        build = lambda b: build_tree(roots, logits, b)  # noqa: E731
+        chain = build_chain(roots, logits)
+        best = logits.topk(2, -1).indices
+    table = _table(best, V, g)
+    big = build(B)
+    measured = accepted_by_size(big, accept_walk(big, _picks(big, table)).path)
+    for b in range(1, B + 1):
+        small = build(b)
+        walked = accept_walk(small, _picks(small, table)).num_nodes - 1
+        assert torch.equal(measured[:, b - 1].long(), walked), b
+    run, length = spine_run(big, accept_walk(big, _picks(big, table)).path)
+    chained = accept_walk(chain, _picks(chain, table)).num_nodes - 1
+    whole = (run < length) | (length == D)  # the run did not reach the end of a short spine
+    assert torch.equal(run[whole], chained[whole]) and bool((run <= chained).all())
+    assert whole.any()
+
+
+def _play(sel: Selector, rounds: int, acc_tree, acc_chain: float, seconds: dict, rows: int = 1) -> list[int]:
+    """Rounds where a tree of column j accepts acc_tree[j] per row and the chain acc_chain."""
+    arms = []
+    for _ in range(rounds):
+        arm, _ = sel.choose(0, rows, seconds, seconds[AR_ARM])
+        arms.append(arm)
+        if arm == CHAIN_ARM:
+            sel.observe(0, rows, None, np.full(rows, acc_chain), True)
+        elif arm >= 0:
+            tree = np.tile(np.asarray(acc_tree[: arm + 1], dtype=float), (rows, 1))
+            sel.observe(0, rows, tree, np.full(rows, min(acc_chain, acc_tree[arm])), False)
+        else:
+            sel.idle(0)
+    return arms
+
+
+GRID = np.array([1, 2, 4, 8, 15, 16, 32])
+
+
+def _seconds(per_node: float, ar: float = 1.0) -> dict:
+    out = {AR_ARM: ar, CHAIN_ARM: 1.2 + 15 * per_node}
+    out.update({j: 1.2 + b * per_node for j, b in enumerate(GRID)})
+    return out
+
+
+def test_selector_opens_big_then_plays_the_best_measured_arm():
+    """A new class opens with the biggest tree that costs at most twice the cheapest drafting
+    round, then plays the arm of best measured rate: here the tree of 8 (its acceptance flattens
+    past 8, and bigger trees cost more), exploring only a small share of rounds."""
+    sel = Selector(GRID, 15)
+    acc = [0.9, 1.7, 3.0, 5.0, 5.3, 5.3, 5.4]
+    arms = _play(sel, 200, acc, acc_chain=4.0, seconds=_seconds(0.05))
+    assert arms[:COLD_ROUNDS] == [5] * COLD_ROUNDS  # 1.2 + 16 * 0.05 <= 2 * (1.2 + 0.05) < 1.2 + 32 * 0.05
+    assert arms[20:].count(3) > 0.8 * 180
+
+
+def test_selector_prefers_the_chain_when_it_accepts_more():
+    sel = Selector(GRID, 15)
+    arms = _play(sel, 200, [0.9, 1.7, 2.5, 3.0, 3.2, 3.2, 3.3], acc_chain=6.0, seconds=_seconds(0.01))
+    assert arms[20:].count(CHAIN_ARM) > 0.8 * 180
+
+
+def test_selector_stays_on_ar_where_drafting_loses_and_rechecks_stale_arms():
+    """Drafting loses (AR steps win, 1.5x) at 16 rows: AR in almost every round. A tree whose
+    estimate went stale is re-measured now and then, and when it has become good it is played."""
+    sel = Selector(GRID, 15)
+    weak = [0.1, 0.2, 0.3, 0.4, 0.4, 0.4, 0.4]
+    seconds = {a: 16 * s for a, s in _seconds(0.05).items()}
+    seconds[AR_ARM] = 12.0
+    arms = _play(sel, 400, weak, 0.3, seconds, rows=16)
+    assert arms[20:].count(AR_ARM) > 0.95 * 380
+    good = [0.9, 1.9, 3.9, 7.9, 14, 14, 14]
+    arms = _play(sel, 600, good, 14.0, seconds, rows=16)
+    assert AR_ARM not in arms[-100:]
