@@ -176,9 +176,9 @@ def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float, c
     extras[:, 2 * cols + 3 * D :: 2] = raw * accept  # observed, spine kind
     if plan.arm is not None and not plan.learn:
         extras = np.zeros((k, 0))
-    if plan.measure:  # the selector's: accepted tokens per tree size, the spine's run, not censored
+    if plan.measure:  # the selector's: accepted tokens per tree size, the spine's run
         m = plan.measure
-        measured = np.zeros((k, m + 2))
+        measured = np.zeros((k, m + 1))
         if geometric:  # depth d accepted with probability accept^d: bigger trees add less
             curve = np.cumsum(accept ** np.arange(1, D + 1))
             measured[:, :m], measured[:, m] = curve[np.minimum(policy.grid[:m], D) - 1], curve[-1]

@@ -69,10 +69,10 @@ def _play(sel: Selector, rounds: int, acc_tree, acc_chain: float, seconds: dict,
         arm, _ = sel.choose(0, rows, seconds, seconds[AR_ARM])
         arms.append(arm)
         if arm == CHAIN_ARM:
-            sel.observe(0, rows, None, np.full(rows, acc_chain), True)
+            sel.observe(0, rows, None, np.full(rows, acc_chain))
         elif arm >= 0:
             tree = np.tile(np.asarray(acc_tree[: arm + 1], dtype=float), (rows, 1))
-            sel.observe(0, rows, tree, np.full(rows, min(acc_chain, acc_tree[arm])), False)
+            sel.observe(0, rows, tree, np.full(rows, min(acc_chain, acc_tree[arm])))
         else:
             sel.idle(0)
     return arms

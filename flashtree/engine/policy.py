@@ -530,13 +530,12 @@ class Policy:
     def _observe_arm(self, plan: RoundPlan, extras: np.ndarray | None, accepted: list[int]) -> np.ndarray | None:
         """The selector's share of a round it planned; returns the forecasts' share of extras (or None)."""
         if plan.arm == CHAIN_ARM:
-            self.selector.observe(plan.cls, len(accepted), None, np.array(accepted, dtype=float), True)
+            self.selector.observe(plan.cls, len(accepted), None, np.array(accepted, dtype=float))
             return extras
         m = plan.measure
-        measured = extras[:, -(m + 2):]
-        self.selector.observe(plan.cls, len(accepted), measured[:, :m], measured[:, m], False,
-                              censored=measured[:, m + 1] > 0)
-        return extras[:, : -(m + 2)] if extras.shape[1] > m + 2 else None
+        measured = extras[:, -(m + 1):]
+        self.selector.observe(plan.cls, len(accepted), measured[:, :m], measured[:, m])
+        return extras[:, : -(m + 1)] if extras.shape[1] > m + 1 else None
 
     def curve_columns(self, plan: RoundPlan) -> int:
         """Tree-curve columns the round reads back: the grid sizes up to the tree's budget."""

@@ -461,14 +461,12 @@ class ModelRunner:
         return out
 
     def measured(self, plan: RoundPlan, spec: TreeSpec, walk, extras: Tensor | None) -> Tensor:
-        """Append [R, measure + 2] for the selector, which a tree round measures exactly (see
+        """Append [R, measure + 1] for the selector, which a tree round measures exactly (see
         selector.py): per row, the drafted tokens the top-b tree would have accepted at each grid
-        column up to the round's, the accepted path's run along the spine (the chain's tokens),
-        and 1 where that run reached the end of a spine shorter than the chain."""
+        column up to the round's, and the accepted path's run along the spine."""
         tree = accepted_by_size(spec, walk.path).index_select(1, self.grid_cols[: plan.measure])
-        run, length = spine_run(spec, walk.path)
-        censored = (run == length) & (length < self.block_size - 1)
-        m = torch.cat([tree, run[:, None].float(), censored[:, None].float()], 1)
+        run, _ = spine_run(spec, walk.path)
+        m = torch.cat([tree, run[:, None].float()], 1)
         return m if extras is None else torch.cat([extras, m.to(extras.dtype)], 1)
 
     def round_extras(self, plan: RoundPlan, values: dict | None, walk, staged: dict[str, Tensor], logits: Tensor,

@@ -17,8 +17,8 @@ refined from timed rounds):
     rate(arm) = rows * (1 + accepted(arm)) / seconds(rows, arm),   rate(AR) = rows / seconds(AR)
 
 It plays the best measured arm. A small share of round time is credit for exploration: an arm
-whose information is stalest among those that could plausibly win (the older an estimate, the
-more it may be off) is played when the credit covers its expected loss. Where AR wins, that share shrinks with how far drafting trails, so a
+whose information is stalest among the runners-up is played when the credit covers its expected
+loss, and its news then counts for the rounds it went unobserved. Where AR wins, that share shrinks with how far drafting trails, so a
 class whose drafts never pay (T = 1 with a weak drafter) hardly ever drafts. A class seen for the
 first time drafts its first rounds with the largest tree that costs at most twice the cheapest
 drafting round, so that one round measures many sizes.
@@ -34,24 +34,31 @@ from dataclasses import dataclass
 
 import numpy as np
 
-RATE = 0.05  # EMA weight of one row's observation (a batch's round weighs 1 - (1 - RATE)^rows)
-KNOWN = 3  # rounds of evidence before an arm's average is trusted over its extrapolation
+RATE = 0.05  # EMA weight of one row in the level (a round of r rows weighs 1 - (1 - RATE)^r)
+SHAPE_RATE = 0.01  # ... and in an arm's shape, which changes slowly
+BASE_DEPTH = 3  # the level counts the accepted path's first BASE_DEPTH spine nodes
+SHAPE_PRIOR = 0.5  # pseudo-count (in base tokens) that keeps a shape finite where the base is ~0
+KNOWN = 3  # rounds of evidence before an arm's estimate is trusted
 COLD_ROUNDS = 3  # drafting rounds a new class opens with (the exploration tree)
 COLD_COST = 2.0  # the opening tree may cost this many times the cheapest drafting round
-EXPLORE_SHARE = 0.04  # share of round time that pays for exploration while drafting wins
+EXPLORE_SHARE = 0.03  # share of round time that pays for exploration while drafting wins
 PROBE_MIN = 0.002  # ... and where AR wins by a wide margin
-STALE_HOPE, STALE_ROUNDS = 0.5, 50  # an arm unobserved this many rounds may be worth up to 1.5x its estimate
 AR_ARM, CHAIN_ARM = -2, -1  # arms: AR, the chain, or a tree grid column (>= 0)
 
 
 @dataclass
 class ClassStats:
-    """Per sampling class: average drafted tokens accepted per row, by arm (tree columns, then
-    the chain), rounds of evidence behind each, and rounds since each was last observed."""
+    """Per sampling class. level: the recent average of the base (the accepted path's first
+    BASE_DEPTH spine nodes, which every drafting arm measures alike). num/den per arm (tree
+    columns, then the chain): slow averages of the arm's accepted tokens and of the base over
+    the rounds that measured the arm, so num/den is its shape, measured in the same rounds as
+    its base. seen/age: rounds of evidence per arm, and rounds since it was last measured."""
 
-    acc: np.ndarray
+    num: np.ndarray
+    den: np.ndarray
     seen: np.ndarray
     age: np.ndarray
+    level: float = 0.0
     rounds: int = 0  # drafting rounds observed
     credit: float = 0.0  # seconds of exploration the class may spend
     changed: bool = True
@@ -67,33 +74,32 @@ class Selector:
     def _class(self, cls: int) -> ClassStats:
         if cls not in self.stats:
             n = len(self.grid) + 1
-            self.stats[cls] = ClassStats(np.zeros(n), np.zeros(n), np.full(n, np.inf))
+            self.stats[cls] = ClassStats(np.zeros(n), np.zeros(n), np.zeros(n), np.full(n, np.inf))
         return self.stats[cls]
 
     # ---- estimates ---------------------------------------------------------------------------
 
     def accepted(self, cls: int) -> tuple[np.ndarray, float]:
-        """Expected drafted tokens accepted per row: [G] per tree column, and the chain's.
-        Tree columns never observed extend the largest observed one by its last increment, in
-        geometric steps (a bigger tree accepts no less; a column past the drafter's depth adds
-        branches only); the chain, never observed, takes the tree of the same size's value."""
+        """Expected drafted tokens accepted per row: [G] per tree column, and the chain's, as
+        shape x level. Tree columns never measured extend the largest measured one by its last
+        increment, in shrinking steps; a bigger tree never accepts less. The chain, never
+        measured, takes the tree of the same size's value."""
         s = self._class(cls)
         G = len(self.grid)
-        tree = s.acc[:G].copy()
+        shape = (s.num + SHAPE_PRIOR) / (s.den + SHAPE_PRIOR)
+        tree = shape[:G] * s.level
         seen = s.seen[:G] > 0
         last = np.flatnonzero(seen)
         if len(last) == 0:
             tree[:] = 0.0
         else:
             j = int(last[-1])
-            step = tree[j] - (tree[j - 1] if j > 0 and seen[j - 1] else 0.0)
+            step = tree[j] - (tree[j - 1] if j > 0 else 0.0)
             for k in range(j + 1, G):
                 step *= 0.7
-                tree[k] = min(self.depth, tree[k - 1] + max(step, 0.0))
-            # A bigger tree accepts no less (exactly so within one round); columns last measured
-            # long ago must not undercut fresher smaller ones.
-            tree = np.maximum.accumulate(np.where(seen | (np.arange(G) > j), tree, 0.0))
-        chain = s.acc[G] if s.seen[G] > 0 else float(tree[self.chain_column()])
+                tree[k] = tree[k - 1] + max(step, 0.0)
+            tree = np.maximum.accumulate(np.minimum(tree, self.depth))
+        chain = float(min(shape[G] * s.level, self.depth)) if s.seen[G] > 0 else float(tree[self.chain_column()])
         return tree, chain
 
     def chain_column(self) -> int:
@@ -127,18 +133,22 @@ class Selector:
             return min(drafting, key=lambda a: seconds[a]), True
         rates = self.rates(cls, rows, seconds, ar_seconds)
         known = {a: r for a, r in rates.items() if a == AR_ARM or self._seen(s, a) >= KNOWN}
-        best = max(known, key=known.get) if known else AR_ARM
+        best = max(known, key=known.get)
         top = max(rates[a] for a in drafting)
         share = EXPLORE_SHARE
         if best == AR_ARM:  # exploration shrinks with how far the best drafting arm trails
             share = PROBE_MIN + (EXPLORE_SHARE - PROBE_MIN) * min(1.0, max(0.0, (top / rates[AR_ARM] - 0.5) / 0.5))
         s.credit = min(s.credit + share * seconds.get(best, ar_seconds), 8.0 * max(seconds.values()))
-        # Candidates: arms whose rate, with optimism growing as their information ages, reaches the
-        # best's (an estimate that is low because it is stale must not lock its arm out).
-        plausible = [a for a in drafting if a != best
-                     and rates[a] * (1.0 + STALE_HOPE * min(1.0, self._age(s, a) / STALE_ROUNDS)) >= rates[best]]
-        if not plausible and best == AR_ARM:
-            plausible = [max(drafting, key=rates.get)]
+        # Candidates: the next two drafting arms by rate, optimistic where an arm has been measured
+        # only a few times, and the biggest tree that costs at most COLD_COST times the best's
+        # round (it measures every smaller tree too); the stalest of them is played, so no
+        # estimate goes unrefreshed for long.
+        hope = {a: rates[a] * (1.0 + 1.0 / np.sqrt(1.0 + self._seen(s, a))) for a in drafting}
+        ranked = sorted((a for a in drafting if a != best), key=hope.get, reverse=True)
+        plausible = ranked[:2]
+        wide = [a for a in drafting if a >= 0 and seconds[a] <= COLD_COST * seconds[best]]
+        if wide and best != AR_ARM and max(wide) != best:
+            plausible.append(max(wide))
         if plausible:
             # The stalest; among equals the biggest tree, which also measures the smaller ones.
             cand = max(plausible, key=lambda a: (self._age(s, a), a))
@@ -167,29 +177,31 @@ class Selector:
 
     # ---- learning ----------------------------------------------------------------------------
 
-    def observe(self, cls: int, rows: int, tree: np.ndarray | None, chain: np.ndarray,
-                chain_exact: bool, censored: np.ndarray | None = None) -> None:
-        """One drafting round of `rows` rows: accepted tokens per row at the tree columns it
-        measured (tree [rows, cols]) and along the chain (chain [rows]: exact for a chain round;
-        from a tree, `censored` marks rows whose accepted path ran to the end of a spine shorter
-        than the chain, a lower bound that counts half)."""
+    def observe(self, cls: int, rows: int, tree: np.ndarray | None, run: np.ndarray) -> None:
+        """One drafting round of `rows` rows. run [rows]: the accepted path's run along the spine
+        (a chain round: the chain's accepted tokens). tree [rows, cols]: a tree round's accepted
+        tokens at each tree column it measured (None: a chain round). A tree's spine may end
+        before the chain's depth, so only chain rounds measure the chain's shape."""
         s = self._class(cls)
         G = len(self.grid)
         s.age += 1
         s.rounds += 1
         s.changed = True
-        w = 1.0 - (1.0 - RATE) ** rows
+        base = np.minimum(run, BASE_DEPTH)
+        b = float(base.mean())
+        s.level = b if s.rounds == 1 else s.level + (1.0 - (1.0 - RATE) ** rows) * (b - s.level)
         if tree is not None and tree.size:
             cols = tree.shape[1]
-            self._fold(s, slice(0, cols), tree.mean(0), w)
-        trust = 1.0 if chain_exact or censored is None else 1.0 - 0.5 * float(np.mean(censored))
-        self._fold(s, slice(G, G + 1), np.array([chain.mean()]), w * trust)
+            self._fold(s, slice(0, cols), tree.mean(0), b, rows)
+        else:
+            self._fold(s, slice(G, G + 1), np.array([float(run.mean())]), b, rows)
 
     @staticmethod
-    def _fold(s: ClassStats, where: slice, x: np.ndarray, w: float) -> None:
+    def _fold(s: ClassStats, where: slice, x: np.ndarray, base: float, rows: int) -> None:
         n = s.seen[where]
-        weight = np.maximum(w, 1.0 / (n + 1))
-        s.acc[where] = np.where(n > 0, s.acc[where] + weight * (x - s.acc[where]), x)
+        weight = np.maximum(1.0 - (1.0 - SHAPE_RATE) ** rows, 1.0 / (n + 1))
+        s.num[where] += weight * (x - s.num[where])
+        s.den[where] += weight * (base - s.den[where])
         s.seen[where] = n + 1
         s.age[where] = 0
 
