@@ -43,6 +43,7 @@ COLD_ROUNDS = 3  # drafting rounds a new class opens with (the exploration tree)
 COLD_COST = 2.0  # the opening tree may cost this many times the cheapest drafting round
 EXPLORE_SHARE = 0.03  # share of round time that pays for exploration while drafting wins
 PROBE_MIN = 0.002  # ... and where AR wins by a wide margin
+STALE_WEIGHT = 8  # a drafting round after a stretch of AR steps moves the level as up to this many would
 AR_ARM, CHAIN_ARM = -2, -1  # arms: AR, the chain, or a tree grid column (>= 0)
 
 
@@ -59,6 +60,7 @@ class ClassStats:
     seen: np.ndarray
     age: np.ndarray
     level: float = 0.0
+    gap: int = 1  # rounds since the last drafting round, this one included
     rounds: int = 0  # drafting rounds observed
     credit: float = 0.0  # seconds of exploration the class may spend
     changed: bool = True
@@ -150,8 +152,12 @@ class Selector:
         if wide and best != AR_ARM and max(wide) != best:
             plausible.append(max(wide))
         if plausible:
-            # The stalest; among equals the biggest tree, which also measures the smaller ones.
-            cand = max(plausible, key=lambda a: (self._age(s, a), a))
+            # On AR steps, the most hopeful drafting arm (the cheapest news of whether drafting
+            # pays again); else the stalest, among equals the biggest tree.
+            if best == AR_ARM:
+                cand = max(drafting, key=hope.get)
+            else:
+                cand = max(plausible, key=lambda a: (self._age(s, a), a))
             price = max(0.0, seconds[cand] - rows * (1.0 + self._tokens(rates, seconds, cand, rows)) / rates[best])
             if self._age(s, cand) > 1 and s.credit >= price:
                 s.credit -= price
@@ -189,7 +195,12 @@ class Selector:
         s.changed = True
         base = np.minimum(run, BASE_DEPTH)
         b = float(base.mean())
-        s.level = b if s.rounds == 1 else s.level + (1.0 - (1.0 - RATE) ** rows) * (b - s.level)
+        # After a stretch of AR steps the level is stale: this round's news counts for the rounds
+        # missed (up to STALE_WEIGHT), or one probe would hardly move a level that fell in a
+        # cold stretch, and the class would stay on AR steps long after the stretch ended.
+        weight = 1.0 - (1.0 - RATE) ** (rows * min(s.gap, STALE_WEIGHT))
+        s.level = b if s.rounds == 1 else s.level + weight * (b - s.level)
+        s.gap = 1
         if tree is not None and tree.size:
             cols = tree.shape[1]
             self._fold(s, slice(0, cols), tree.mean(0), b, rows)
@@ -209,3 +220,4 @@ class Selector:
         """A round of AR steps for this class: its information ages."""
         s = self._class(cls)
         s.age += 1
+        s.gap += 1
