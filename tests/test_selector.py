@@ -11,7 +11,7 @@ import torch
 from flashtree.engine.selector import AR_ARM, CHAIN_ARM, COLD_ROUNDS, Selector
 from flashtree.tree import accept_walk, build_chain, build_tree
 from flashtree.tree.markov import build_markov_chain, build_markov_tree
-from flashtree.tree.value import accepted_by_size, spine_run
+from flashtree.tree.value import accepted_by_size, spine_mask, spine_run
 
 
 def _picks(spec, table: torch.Tensor) -> torch.Tensor:
@@ -55,7 +55,8 @@ def test_one_tree_measures_every_smaller_tree_and_the_chain(markov):
         small = build(b)
         walked = accept_walk(small, _picks(small, table)).num_nodes - 1
         assert torch.equal(measured[:, b - 1].long(), walked), b
-    run, length = spine_run(big, accept_walk(big, _picks(big, table)).path)
+    run = spine_run(big, accept_walk(big, _picks(big, table)).path)
+    length = (spine_mask(big) & (big.tokens >= 0))[:, 1:].sum(1)
     chained = accept_walk(chain, _picks(chain, table)).num_nodes - 1
     whole = (run < length) | (length == D)  # the run did not reach the end of a short spine
     assert torch.equal(run[whole], chained[whole]) and bool((run <= chained).all())

@@ -71,7 +71,6 @@ STREAK_DECAY, STREAK_PRIOR = 0.5, 1.0  # the request's recent accepted / forecas
 CHAIN_MARGIN = 1.3  # a chain row must forecast this many times the tree's accepted tokens
 RECORD_DECAY, RECORD_PRIOR = 0.97, 4.0  # chains' accepted / planned record per class: fade per round, prior
 MAX_HOLD = 64  # rounds an all-AR plan may be reused without re-planning
-LEARN_EVERY = 8  # the selector's drafting rounds per one that also feeds the forecasts
 TIME_RATE = 0.1  # EMA weight of one timed round in an arm's measured seconds
 
 
@@ -167,7 +166,6 @@ class Policy:
         self.next_probe = 0.0  # credit (seconds) the last unaffordable probe needed: a hold ends there
         self.selector = Selector(self.grid, self.depth)  # batches whose requests sample alike (selector.py)
         self._arms: dict[int, tuple[int, dict[int, float], dict[int, RoundPlan]]] = {}
-        self.selected = 0  # drafting rounds the selector has planned
         self.timing: dict[tuple[int, int], list] = {}  # (rows, arm) -> [average wall seconds, rounds]
 
     # ---- per-request state ---------------------------------------------------------------
@@ -354,8 +352,7 @@ class Policy:
 
     def _select(self, reqs: list[Request], cls: int) -> RoundPlan:
         """A batch whose requests sample alike: the selector's measured arm, every row alike, as
-        the fixed method's plan (no per-row plan). One drafting round in LEARN_EVERY also reads
-        back the forecasts' data, so mixed batches find them current."""
+        the fixed method's plan (no per-row plan, and none of the split's data read back)."""
         R = len(reqs)
         slots = [r.slot for r in reqs]
         for r in reqs:
@@ -370,11 +367,7 @@ class Policy:
             self.selector.idle(cls)
             self.idle[slots] += 1
             return plan
-        self.selected += 1
-        plan = dataclasses.replace(plan, modes=list(plan.modes), draft_rows=list(plan.draft_rows),
-                                   predicted=[self.selector.predicted(cls, arm)] * R, cls=cls,
-                                   learn=self.selected % LEARN_EVERY == 0)
-        return plan
+        return dataclasses.replace(plan, predicted=[self.selector.predicted(cls, arm)] * R, cls=cls)
 
     def _measured(self, R: int, modelled: dict[int, float]) -> dict[int, float]:
         """Round seconds per arm as timed (everything a round costs, the engine's work between

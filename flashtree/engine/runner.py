@@ -465,8 +465,7 @@ class ModelRunner:
         selector.py): per row, the drafted tokens the top-b tree would have accepted at each grid
         column up to the round's, and the accepted path's run along the spine."""
         tree = accepted_by_size(spec, walk.path).index_select(1, self.grid_cols[: plan.measure])
-        run, _ = spine_run(spec, walk.path)
-        m = torch.cat([tree, run[:, None].float()], 1)
+        m = torch.cat([tree, spine_run(spec, walk.path)[:, None].float()], 1)
         return m if extras is None else torch.cat([extras, m.to(extras.dtype)], 1)
 
     def round_extras(self, plan: RoundPlan, values: dict | None, walk, staged: dict[str, Tensor], logits: Tensor,

@@ -22,13 +22,8 @@ def spine_mask(spec: TreeSpec) -> Tensor:
     if spec.is_chain:
         return torch.ones(R, N, dtype=torch.bool, device=spec.tokens.device)
     idx = torch.arange(N, device=spec.tokens.device).expand(R, N)
-    real = (spec.tokens >= 0) & (idx > 0)  # drafted nodes; the root is nobody's child
     parent = spec.parents.expand(R, N).clamp(min=0)
-    score = torch.where(real, spec.scores, float("-inf"))
-    best = torch.full((R, N), float("-inf"), device=score.device).scatter_reduce(1, parent, score, "amax")
-    top = (score == best.gather(1, parent)) & real
-    first = torch.full((R, N), N, device=score.device).scatter_reduce(1, parent, torch.where(top, idx, N), "amin")
-    is_best = (first.gather(1, parent) == idx) | (idx == 0)
+    is_best = (_best_child(spec).gather(1, parent) == idx) | (idx == 0)
     on = is_best
     for _ in range(spec.depth_bound):  # a node is on the spine when its parent is, too
         on = is_best & on.gather(1, parent)
@@ -107,10 +102,25 @@ def accepted_by_size(spec: TreeSpec, path: Tensor) -> Tensor:
     return value_curve(spec, _on_path(spec, path))
 
 
-def spine_run(spec: TreeSpec, path: Tensor) -> tuple[Tensor, Tensor]:
-    """[R] the accepted path's drafted nodes on the spine (what the chain of best children, as far
-    as this tree holds it, would have accepted) and [R] the spine's drafted length."""
-    spine = spine_mask(spec) & (spec.tokens >= 0)
-    run = (spine & (_on_path(spec, path) > 0))[:, 1:].sum(1)
-    return run, spine[:, 1:].sum(1)
+def _best_child(spec: TreeSpec) -> Tensor:
+    """[R, N]: each node's best child (highest score; on equal scores the lower index, the
+    builders' tie order), or N where it has none."""
+    R, N = spec.tokens.shape
+    idx = torch.arange(N, device=spec.tokens.device).expand(R, N)
+    real = (spec.tokens >= 0) & (idx > 0)
+    parent = spec.parents.expand(R, N).clamp(min=0)
+    score = torch.where(real, spec.scores, float("-inf"))
+    best = torch.full((R, N), float("-inf"), device=score.device).scatter_reduce(1, parent, score, "amax")
+    top = (score == best.gather(1, parent)) & real
+    return torch.full((R, N), N, device=score.device).scatter_reduce(1, parent, torch.where(top, idx, N), "amin")
+
+
+def spine_run(spec: TreeSpec, path: Tensor) -> Tensor:
+    """[R]: the accepted path's drafted nodes on the spine, from the root while each is its
+    parent's best child: what the chain of best children (as far as this tree holds it) would
+    have accepted. Two scatters and the path's own length, no walk over the tree's depth."""
+    first = _best_child(spec)
+    node, child = path[:, :-1], path[:, 1:]
+    on = (child >= 0) & (first.gather(1, node.clamp(min=0)) == child)
+    return on.long().cumprod(1).sum(1)
 
