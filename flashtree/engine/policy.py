@@ -355,9 +355,6 @@ class Policy:
         the fixed method's plan (no per-row plan, and none of the split's data read back)."""
         R = len(reqs)
         slots = [r.slot for r in reqs]
-        for r in reqs:
-            if self._claim(r):
-                self._refresh([r.slot])
         modelled, plans = self._arm_table(R)
         seconds = self._measured(R, modelled)
         arm, _ = self.selector.choose(cls, R, seconds, seconds[AR_ARM])
@@ -390,8 +387,8 @@ class Policy:
 
     def _arm_table(self, R: int) -> tuple[dict[int, float], dict[int, RoundPlan]]:
         """Per arm that fits a batch of R (max_round_tokens), its predicted seconds and its plan;
-        rebuilt as the cost model refines."""
-        key = self.cost.refined // 16
+        rebuilt now and then as the cost model refines (arms already played are priced as timed)."""
+        key = self.cost.refined // 128
         hit = self._arms.get(R)
         if hit is not None and hit[0] == key:
             return hit[1], hit[2]
