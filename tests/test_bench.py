@@ -259,3 +259,45 @@ def test_bench_quick_on_demo_pair(tmp_path):
     assert main(["bench", "--quick", "--out", str(out)]) == 0
     data = check_outputs(out, {"ar", "dflash", "ddtree"})
     assert {c["suite"] for c in data["cells"]} == {"code", "prose", "all"}
+
+
+def test_policy_grid_keeps_concurrency_and_equal_tokens(pair, tmp_path, capsys):
+    """`bench --policy-grid` on the tiny pair: every (T, c, method) cell runs, each produces the
+    same tokens (seed-exact sampling), and a stream keeps c requests in flight: the batch is
+    c wide in every round until fewer than c prompts are left."""
+    from flashtree import EngineConfig, LLMEngine, SamplingParams
+    from flashtree.bench.policy_grid import GridCell, run_stream
+
+    engine = LLMEngine(EngineConfig(target=str(pair[0]), drafter=str(pair[1]), device="cpu", max_batch=3,
+                                    max_model_len=64))
+    sizes, step = [], engine.step
+
+    def counted():
+        out = step()
+        if engine.last_round is not None:
+            sizes.append(engine.last_round.batch_size)
+        return out
+
+    engine.step = counted
+    prompts = [[3 + i, 7, 11] for i in range(7)]
+    params = [SamplingParams(max_tokens=5 + i % 3, ignore_eos=True) for i in range(7)]
+    cell = GridCell(0.0, 3, "auto")
+    run_stream(engine, prompts, params, cell, 3)
+    assert cell.tokens == sum(p.max_tokens for p in params) and len(cell.outputs) == 7
+    assert max(sizes) == 3 and sizes[: sizes.index(3) + 1][-1] == 3
+    full = sizes[sizes.index(3):]
+    assert all(s == 3 for s in full[: len(full) - 6])  # only the last prompts' rounds run narrower
+
+    out = tmp_path / "grid"
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"prompt_ids": [3 + i, 7, 11, 2 * i]}) + "\n" for i in range(4)))
+    rc = main(["bench", "--policy-grid", "--target", str(pair[0]), "--drafter", str(pair[1]), "--suites", str(ids),
+               "--temperatures",
+               "0,0.8", "--concurrency", "1,3", "--budgets", "4", "--num-prompts", "4", "--max-tokens", "6",
+               "--passes", "1", "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    assert len(data["summary"]) == 4 and all(r["same_tokens"] for r in data["summary"])
+    assert {c["label"] for c in data["cells"]} == {"ar", "dflash", "ddtree-4", "auto"}
+    assert all(c["tokens"] == 4 * 6 for c in data["cells"])
+    assert "| T | c |" in capsys.readouterr().out

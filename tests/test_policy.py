@@ -187,6 +187,7 @@ def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float, c
         extras = np.concatenate([extras, measured], 1)
     accepted = [int(round(accept * min(D, 15))) if m != AR else 0 for m in plan.modes]
     policy.observe(plan, [r.slot for r in reqs], extras if k else None, accepted)
+    policy.timed(plan, len(reqs), plan.seconds)  # the round took what the cost model said
 
 
 def test_split_follows_cost_and_batch():

@@ -2,12 +2,16 @@
 under temperature x concurrency, all in one run, interleaved.
 
 For each (temperature, concurrency c) every cell (ar, dflash, ddtree at each fixed budget, auto)
-is its own LLMEngine with max_batch = c, sharing the loaded weights. The prompts are cut into
-waves of c requests submitted together; each wave runs through every cell back to back, in an
-order rotated from wave to wave, so drift and other processes on the machine spread over all
-cells. A cell's throughput is its output tokens over the wall time of its waves. Every cell
-first runs one unrecorded warmup wave per temperature (auto learns its acceptance there, as a
-server would from its first requests). Requests are seeded and run to max_tokens, so with
+is its own LLMEngine with max_batch = c, sharing the loaded weights. Concurrency means requests
+in flight, as in a serving benchmark: the prompts are cut into streams of CHUNK x c, and a stream
+keeps c requests running (one that finishes makes room for the next prompt), so the batch
+shrinks only at a stream's end. (Waves of c requests submitted together, as this grid ran before,
+let the batch drain within every wave: speculation spreads the rows' finishing times, and the
+tail rounds of a few rows weighed on every speculating cell.) Each stream runs through every cell
+back to back, in an order rotated from stream to stream, so drift and other processes on the
+machine spread over all cells. A cell's throughput is its output tokens over the wall time of
+its streams. Every cell first runs one unrecorded warmup of c requests per temperature (auto
+learns its acceptance there, as a server would from its first requests). Requests are seeded and run to max_tokens, so with
 seed-exact sampling every cell produces the same tokens: the table checks that too.
 """
 
@@ -30,6 +34,7 @@ TEMPERATURES = [0.0, 0.7, 1.0]
 CONCURRENCY = [1, 4, 16]
 BUDGETS = [4, 8, 16, 32, 64]
 GOAL = 0.97  # auto's throughput against the best cell and against ar
+CHUNK = 4  # prompts per stream, in multiples of the concurrency: cells take turns stream by stream
 
 
 @dataclass
@@ -87,13 +92,21 @@ def _config(spec: PolicyGridSpec, label: str, batch: int, max_model_len: int | N
                         max_model_len=max_model_len)
 
 
-def run_wave(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], cell: GridCell,
-             keep: bool = True) -> None:
-    """Run one wave to the end; add its tokens, time and rounds to the cell (and its outputs, once)."""
+def run_stream(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], cell: GridCell,
+               concurrency: int, keep: bool = True) -> None:
+    """Run the prompts with `concurrency` requests in flight: a finished request's place goes to
+    the next prompt at once, as under a server's steady load (the batch shrinks only at the end).
+    Add the tokens, time and rounds to the cell (and the outputs, in prompt order, once)."""
     t0 = time.perf_counter()
-    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    reqs = []
+    while len(reqs) < min(concurrency, len(prompts)):
+        reqs.append(engine.add_request(prompts[len(reqs)], params[len(reqs)]))
     while engine.has_unfinished:
         engine.step()
+        running = sum(not r.finished for r in reqs)
+        while len(reqs) < len(prompts) and running < concurrency:
+            reqs.append(engine.add_request(prompts[len(reqs)], params[len(reqs)]))
+            running += 1
     cell.seconds += time.perf_counter() - t0
     for r in reqs:
         s = r.stats
@@ -125,7 +138,8 @@ def run_policy_grid(spec: PolicyGridSpec, progress: bool = True) -> dict:
     engines = {(c, label): LLMEngine(_config(spec, label, c, need), share_weights=base)
                for c in sorted(spec.concurrency, reverse=True) for label in labels}
     cells: dict[tuple[float, int, str], GridCell] = {}
-    total = len(spec.temperatures) * sum(len(labels) * (1 + spec.passes * -(-len(ids) // c)) for c in spec.concurrency)
+    total = len(spec.temperatures) * sum(len(labels) * (1 + spec.passes * -(-len(ids) // (CHUNK * c)))
+                                         for c in spec.concurrency)
     bar = tqdm(total=total, desc="policy grid", unit="wave", file=sys.stderr, disable=not progress,
                dynamic_ncols=True)
     for t in spec.temperatures:
@@ -134,18 +148,18 @@ def run_policy_grid(spec: PolicyGridSpec, progress: bool = True) -> dict:
                                    ignore_eos=True) for i in range(c)]
             for label in labels:
                 bar.set_postfix_str(f"T={t:g} c={c} warmup {label}", refresh=False)
-                run_wave(engines[c, label], [ids[i % len(ids)] for i in range(c)], warm, GridCell(t, c, label))
+                run_stream(engines[c, label], [ids[i % len(ids)] for i in range(c)], warm, GridCell(t, c, label), c)
                 bar.update(1)
-            waves = list(range(0, len(ids), c))
-            for w, start in enumerate(waves * spec.passes):
-                wave = ids[start : start + c]
+            chunks = list(range(0, len(ids), CHUNK * c))
+            for w, start in enumerate(chunks * spec.passes):
+                chunk = ids[start : start + CHUNK * c]
                 params = [SamplingParams(temperature=t, max_tokens=spec.max_tokens, seed=spec.seed + start + i,
-                                         ignore_eos=True) for i in range(len(wave))]
+                                         ignore_eos=True) for i in range(len(chunk))]
                 k = w % len(labels)
                 for label in labels[k:] + labels[:k]:
                     bar.set_postfix_str(f"T={t:g} c={c} {label}", refresh=False)
                     cell = cells.setdefault((t, c, label), GridCell(t, c, label))
-                    run_wave(engines[c, label], wave, params, cell, keep=w < len(waves))
+                    run_stream(engines[c, label], chunk, params, cell, c, keep=w < len(chunks))
                     bar.update(1)
     bar.close()
     return {"spec": vars(spec), "cells": cells, "seconds": time.perf_counter() - started, "load_average_start": load,

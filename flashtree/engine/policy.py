@@ -41,6 +41,7 @@ clearer it is), so that steady state costs almost no host time per round.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,7 +72,7 @@ STREAK_DECAY, STREAK_PRIOR = 0.5, 1.0  # the request's recent accepted / forecas
 CHAIN_MARGIN = 1.3  # a chain row must forecast this many times the tree's accepted tokens
 RECORD_DECAY, RECORD_PRIOR = 0.97, 4.0  # chains' accepted / planned record per class: fade per round, prior
 MAX_HOLD = 64  # rounds an all-AR plan may be reused without re-planning
-TIME_RATE = 0.1  # EMA weight of one timed round in an arm's measured seconds
+TIME_WINDOW, TIMED = 16, 3  # timed rounds kept per (batch size, arm); how many make its seconds
 
 
 @dataclass
@@ -166,7 +167,7 @@ class Policy:
         self.next_probe = 0.0  # credit (seconds) the last unaffordable probe needed: a hold ends there
         self.selector = Selector(self.grid, self.depth)  # batches whose requests sample alike (selector.py)
         self._arms: dict[int, tuple[int, dict[int, float], dict[int, RoundPlan]]] = {}
-        self.timing: dict[tuple[int, int], list] = {}  # (rows, arm) -> [average wall seconds, rounds]
+        self.timing: dict[tuple[int, int], deque] = {}  # (rows, arm) -> the last rounds' wall seconds
 
     # ---- per-request state ---------------------------------------------------------------
 
@@ -357,7 +358,8 @@ class Policy:
         slots = [r.slot for r in reqs]
         modelled, plans = self._arm_table(R)
         seconds = self._measured(R, modelled)
-        arm, _ = self.selector.choose(cls, R, seconds, seconds[AR_ARM])
+        timed = {a: len(self.timing.get((R, a), ())) for a in seconds}
+        arm, _ = self.selector.choose(cls, R, seconds, seconds[AR_ARM], timed)
         plan = plans[arm]
         self.rounds += 1
         if arm == AR_ARM:
@@ -368,22 +370,31 @@ class Policy:
 
     def _measured(self, R: int, modelled: dict[int, float]) -> dict[int, float]:
         """Round seconds per arm as timed (everything a round costs, the engine's work between
-        rounds included); arms not timed yet at this batch size take the cost model's, scaled by
-        how the timed ones compare with it."""
-        timed = {a: self.timing[R, a][0] for a in modelled if self.timing.get((R, a), (0, 0))[1] >= 2}
-        if not timed:
-            return modelled
-        scale = float(np.exp(np.mean([np.log(timed[a] / modelled[a]) for a in timed])))
-        return {a: timed.get(a, modelled[a] * scale) for a in modelled}
+        rounds included); arms not timed yet at this batch size take the cost model's, scaled as
+        the timed drafting arm of the nearest window compares with it (the model's error depends
+        on the shape: a global scale mispriced small trees by a third on the demo pair)."""
+        timed = {a: float(np.median(self.timing[R, a])) for a in modelled if len(self.timing.get((R, a), ())) >= TIMED}
+        near = [a for a in timed if a != AR_ARM]
+        if not near:
+            return {a: timed.get(a, modelled[a]) for a in modelled}
+        out = {}
+        for a in modelled:
+            if a in timed:
+                out[a] = timed[a]
+            else:
+                b = min(near, key=lambda x: abs(np.log(self._window(x) / self._window(a))))
+                out[a] = modelled[a] * timed[b] / modelled[b]
+        return out
+
+    def _window(self, arm: int) -> int:
+        return 1 if arm == AR_ARM else self.depth + 1 if arm == CHAIN_ARM else int(self.grid[arm]) + 1
 
     def timed(self, plan: RoundPlan, rows: int, seconds: float) -> None:
-        """A round the selector planned took `seconds` of wall time."""
-        if plan.arm is None or seconds <= 0:
-            return
-        entry = self.timing.setdefault((rows, plan.arm), [seconds, 0])
-        if entry[1]:
-            entry[0] += max(TIME_RATE, 1.0 / (entry[1] + 1)) * (min(seconds, 3.0 * entry[0]) - entry[0])
-        entry[1] += 1
+        """A round the selector planned took `seconds` of wall time (kept: the last TIME_WINDOW per
+        batch size and arm; their median is robust to a round that also flushed held-back
+        context or was slowed by another process)."""
+        if plan.arm is not None and seconds > 0:
+            self.timing.setdefault((rows, plan.arm), deque(maxlen=TIME_WINDOW)).append(seconds)
 
     def _arm_table(self, R: int) -> tuple[dict[int, float], dict[int, RoundPlan]]:
         """Per arm that fits a batch of R (max_round_tokens), its predicted seconds and its plan;

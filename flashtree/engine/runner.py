@@ -216,6 +216,7 @@ class ModelRunner:
         shapes the chunk runs as power-of-two pieces (flashtree.engine.shapes.prefill_chunks)."""
         for start, stop in prefill_chunks(req.num_computed, end, self.static):
             self.prefill_piece(req, start, stop)
+        self._last_end = None  # the time until the next round was prefill, not that round's cost
 
     def prefill_piece(self, req: Request, start: int, end: int) -> None:
         n = end - start

@@ -101,7 +101,7 @@ class Selector:
                 step *= 0.7
                 tree[k] = tree[k - 1] + max(step, 0.0)
             tree = np.maximum.accumulate(np.minimum(tree, self.depth))
-        chain = float(min(shape[G] * s.level, self.depth)) if s.seen[G] > 0 else float(tree[self.chain_column()])
+        chain = float(min(shape[G] * s.level, self.depth)) if s.seen[G] > 0 else float(tree[min(self.chain_column(), G - 1)])
         return tree, chain
 
     def chain_column(self) -> int:
@@ -121,8 +121,10 @@ class Selector:
 
     # ---- the choice --------------------------------------------------------------------------
 
-    def choose(self, cls: int, rows: int, seconds: dict[int, float], ar_seconds: float) -> tuple[int, bool]:
-        """The arm to play (AR_ARM, CHAIN_ARM or a tree column) and whether it explores."""
+    def choose(self, cls: int, rows: int, seconds: dict[int, float], ar_seconds: float,
+               timed: dict[int, int] | None = None) -> tuple[int, bool]:
+        """The arm to play (AR_ARM, CHAIN_ARM or a tree column) and whether it explores.
+        timed: rounds behind each arm's seconds at this batch size (modelled ones: 0)."""
         s = self._class(cls)
         drafting = [a for a in seconds if a != AR_ARM]
         if not drafting:
@@ -141,11 +143,13 @@ class Selector:
         if best == AR_ARM:  # exploration shrinks with how far the best drafting arm trails
             share = PROBE_MIN + (EXPLORE_SHARE - PROBE_MIN) * min(1.0, max(0.0, (top / rates[AR_ARM] - 0.5) / 0.5))
         s.credit = min(s.credit + share * seconds.get(best, ar_seconds), 8.0 * max(seconds.values()))
-        # Candidates: the next two drafting arms by rate, optimistic where an arm has been measured
-        # only a few times, and the biggest tree that costs at most COLD_COST times the best's
+        # Candidates: the next two drafting arms by rate, optimistic where an arm's acceptance or
+        # its seconds at this batch size rest on few rounds, and the biggest tree that costs at most COLD_COST times the best's
         # round (it measures every smaller tree too); the stalest of them is played, so no
         # estimate goes unrefreshed for long.
-        hope = {a: rates[a] * (1.0 + 1.0 / np.sqrt(1.0 + self._seen(s, a))) for a in drafting}
+        timed = timed or {}
+        hope = {a: rates[a] * (1.0 + 1.0 / np.sqrt(1.0 + min(self._seen(s, a), 2 * timed.get(a, np.inf))))
+                for a in drafting}
         ranked = sorted((a for a in drafting if a != best), key=hope.get, reverse=True)
         plausible = ranked[:2]
         wide = [a for a in drafting if a >= 0 and seconds[a] <= COLD_COST * seconds[best]]
@@ -156,10 +160,10 @@ class Selector:
             # pays again); else the stalest, among equals the biggest tree.
             if best == AR_ARM:
                 cand = max(drafting, key=hope.get)
-            else:
-                cand = max(plausible, key=lambda a: (self._age(s, a), a))
+            else:  # never timed at this batch size first
+                cand = max(plausible, key=lambda a: (timed.get(a, KNOWN) < KNOWN, self._age(s, a), a))
             price = max(0.0, seconds[cand] - rows * (1.0 + self._tokens(rates, seconds, cand, rows)) / rates[best])
-            if self._age(s, cand) > 1 and s.credit >= price:
+            if (self._age(s, cand) > 1 or timed.get(cand, KNOWN) < KNOWN) and s.credit >= price:
                 s.credit -= price
                 return cand, True
         return best, False
