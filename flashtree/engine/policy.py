@@ -356,6 +356,10 @@ class Policy:
         the fixed method's plan (no per-row plan, and none of the split's data read back)."""
         R = len(reqs)
         slots = [r.slot for r in reqs]
+        if R in self._arms and self.selector.held(cls, R):  # AR steps decided ahead
+            self.rounds += 1
+            self.idle[slots] += 1
+            return self._arms[R][2][AR_ARM]
         modelled, plans = self._arm_table(R)
         seconds = self._measured(R, modelled)
         timed = {a: len(self.timing.get((R, a), ())) for a in seconds}

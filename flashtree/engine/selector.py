@@ -43,6 +43,7 @@ COLD_ROUNDS = 3  # drafting rounds a new class opens with (the exploration tree)
 COLD_COST = 2.0  # the opening tree may cost this many times the cheapest drafting round
 EXPLORE_SHARE = 0.03  # share of round time that pays for exploration while drafting wins
 PROBE_MIN = 0.002  # ... and where AR wins by a wide margin
+HOLD_MAX = 64  # AR rounds decided at once, at most
 STALE_WEIGHT = 8  # a drafting round after a stretch of AR steps moves the level as up to this many would
 AR_ARM, CHAIN_ARM = -2, -1  # arms: AR, the chain, or a tree grid column (>= 0)
 
@@ -65,6 +66,7 @@ class ClassStats:
     credit: float = 0.0  # seconds of exploration the class may spend
     changed: bool = True
     estimate: tuple = ()  # accepted()'s, until the next observation
+    hold: tuple = (0, 0, 0.0)  # AR steps decided ahead: (rows, rounds left, credit per round)
 
 
 class Selector:
@@ -144,9 +146,9 @@ class Selector:
             share = PROBE_MIN + (EXPLORE_SHARE - PROBE_MIN) * min(1.0, max(0.0, (top / rates[AR_ARM] - 0.5) / 0.5))
         s.credit = min(s.credit + share * seconds.get(best, ar_seconds), 8.0 * max(seconds.values()))
         # Candidates: the next two drafting arms by rate, optimistic where an arm's acceptance or
-        # its seconds at this batch size rest on few rounds, and the biggest tree that costs at most COLD_COST times the best's
-        # round (it measures every smaller tree too); the stalest of them is played, so no
-        # estimate goes unrefreshed for long.
+        # its seconds at this batch size rest on few rounds, and the biggest tree that costs at
+        # most COLD_COST times the best's round (it measures every smaller tree too); the
+        # stalest of them is played, so no estimate goes unrefreshed for long.
         timed = timed or {}
         hope = {a: rates[a] * (1.0 + 1.0 / np.sqrt(1.0 + min(self._seen(s, a), 2 * timed.get(a, np.inf))))
                 for a in drafting}
@@ -166,7 +168,21 @@ class Selector:
             if (self._age(s, cand) > 1 or timed.get(cand, KNOWN) < KNOWN) and s.credit >= price:
                 s.credit -= price
                 return cand, True
+            if best == AR_ARM and share > 0:
+                # Nothing changes until the credit covers that probe: hold AR steps till then.
+                per_round = share * seconds[AR_ARM]
+                s.hold = (rows, min(HOLD_MAX, int(np.ceil((price - s.credit) / per_round))) - 1, per_round)
         return best, False
+
+    def held(self, cls: int, rows: int) -> bool:
+        """Another AR round of a hold (see choose): nothing to compute, the credit accrues."""
+        s = self._class(cls)
+        if s.hold[1] <= 0 or s.hold[0] != rows:
+            return False
+        s.hold = (rows, s.hold[1] - 1, s.hold[2])
+        s.credit += s.hold[2]
+        self.idle(cls)
+        return True
 
     def _seen(self, s: ClassStats, arm: int) -> float:
         return float(s.seen[len(self.grid) if arm == CHAIN_ARM else arm])
@@ -197,6 +213,7 @@ class Selector:
         s.age += 1
         s.rounds += 1
         s.changed = True
+        s.hold = (0, 0, 0.0)
         base = np.minimum(run, BASE_DEPTH)
         b = float(base.mean())
         # After a stretch of AR steps the level is stale: this round's news counts for the rounds
