@@ -117,3 +117,22 @@ def test_selector_stays_on_ar_where_drafting_loses_and_rechecks_stale_arms():
     good = [0.9, 1.9, 3.9, 7.9, 14, 14, 14]
     arms = _play(sel, 600, good, 14.0, seconds, rows=16)
     assert AR_ARM not in arms[-100:]
+
+
+def test_arm_times_take_the_median_and_scale_untimed_arms_by_the_nearest_window():
+    """Timed arms cost their rounds' median (an outlier round does not move it); an arm not timed
+    yet takes the model's seconds scaled like the timed drafting arm of the nearest window."""
+    from flashtree.engine.selector import ArmTimes
+
+    times = ArmTimes(lambda arm: {AR_ARM: 1, CHAIN_ARM: 16, 0: 5, 1: 9, 2: 33}[arm])
+    modelled = {AR_ARM: 1.0, CHAIN_ARM: 4.0, 0: 2.0, 1: 3.0, 2: 6.0}
+    assert times.seconds(4, modelled) == modelled  # nothing timed: the model
+    for s in (5.0, 5.2, 50.0, 5.1):  # one round also flushed held-back context
+        times.record(4, CHAIN_ARM, s)
+    for s in (2.0, 2.0):
+        times.record(4, 0, s)  # only two rounds: not yet the arm's price
+    out = times.seconds(4, modelled)
+    assert out[CHAIN_ARM] == pytest.approx(5.15)
+    assert out[2] == pytest.approx(6.0 * 5.15 / 4.0) and out[1] == pytest.approx(3.0 * 5.15 / 4.0)
+    assert out[AR_ARM] == 1.0  # AR rounds do not scale drafting arms, nor the reverse
+    assert times.counts(4, modelled)[0] == 2 and times.seconds(8, modelled) == modelled

@@ -41,14 +41,13 @@ clearer it is), so that steady state costs almost no host time per round.
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from flashtree.engine.calibration import Calibration, sampling_class
 from flashtree.engine.cost_model import CostModel
-from flashtree.engine.selector import AR_ARM, CHAIN_ARM, Selector
+from flashtree.engine.selector import AR_ARM, CHAIN_ARM, ArmTimes, Selector
 from flashtree.engine.sequence import Request
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -72,7 +71,6 @@ STREAK_DECAY, STREAK_PRIOR = 0.5, 1.0  # the request's recent accepted / forecas
 CHAIN_MARGIN = 1.3  # a chain row must forecast this many times the tree's accepted tokens
 RECORD_DECAY, RECORD_PRIOR = 0.97, 4.0  # chains' accepted / planned record per class: fade per round, prior
 MAX_HOLD = 64  # rounds an all-AR plan may be reused without re-planning
-TIME_WINDOW, TIMED = 16, 3  # timed rounds kept per (batch size, arm); how many make its seconds
 
 
 @dataclass
@@ -167,7 +165,8 @@ class Policy:
         self.next_probe = 0.0  # credit (seconds) the last unaffordable probe needed: a hold ends there
         self.selector = Selector(self.grid, self.depth)  # batches whose requests sample alike (selector.py)
         self._arms: dict[int, tuple[int, dict[int, float], dict[int, RoundPlan]]] = {}
-        self.timing: dict[tuple[int, int], deque] = {}  # (rows, arm) -> the last rounds' wall seconds
+        self.times = ArmTimes(lambda arm: 1 if arm == AR_ARM else self.depth + 1 if arm == CHAIN_ARM
+                              else int(self.grid[arm]) + 1)
 
     # ---- per-request state ---------------------------------------------------------------
 
@@ -361,9 +360,8 @@ class Policy:
             self.idle[slots] += 1
             return self._arms[R][2][AR_ARM]
         modelled, plans = self._arm_table(R)
-        seconds = self._measured(R, modelled)
-        timed = {a: len(self.timing.get((R, a), ())) for a in seconds}
-        arm, _ = self.selector.choose(cls, R, seconds, seconds[AR_ARM], timed)
+        seconds = self.times.seconds(R, modelled)
+        arm, _ = self.selector.choose(cls, R, seconds, seconds[AR_ARM], self.times.counts(R, seconds))
         plan = plans[arm]
         self.rounds += 1
         if arm == AR_ARM:
@@ -372,33 +370,10 @@ class Policy:
             return plan
         return dataclasses.replace(plan, predicted=[self.selector.predicted(cls, arm)] * R, cls=cls)
 
-    def _measured(self, R: int, modelled: dict[int, float]) -> dict[int, float]:
-        """Round seconds per arm as timed (everything a round costs, the engine's work between
-        rounds included); arms not timed yet at this batch size take the cost model's, scaled as
-        the timed drafting arm of the nearest window compares with it (the model's error depends
-        on the shape: a global scale mispriced small trees by a third on the demo pair)."""
-        timed = {a: float(np.median(self.timing[R, a])) for a in modelled if len(self.timing.get((R, a), ())) >= TIMED}
-        near = [a for a in timed if a != AR_ARM]
-        if not near:
-            return {a: timed.get(a, modelled[a]) for a in modelled}
-        out = {}
-        for a in modelled:
-            if a in timed:
-                out[a] = timed[a]
-            else:
-                b = min(near, key=lambda x: abs(np.log(self._window(x) / self._window(a))))
-                out[a] = modelled[a] * timed[b] / modelled[b]
-        return out
-
-    def _window(self, arm: int) -> int:
-        return 1 if arm == AR_ARM else self.depth + 1 if arm == CHAIN_ARM else int(self.grid[arm]) + 1
-
     def timed(self, plan: RoundPlan, rows: int, seconds: float) -> None:
-        """A round the selector planned took `seconds` of wall time (kept: the last TIME_WINDOW per
-        batch size and arm; their median is robust to a round that also flushed held-back
-        context or was slowed by another process)."""
-        if plan.arm is not None and seconds > 0:
-            self.timing.setdefault((rows, plan.arm), deque(maxlen=TIME_WINDOW)).append(seconds)
+        """A round the selector planned took `seconds` of wall time."""
+        if plan.arm is not None:
+            self.times.record(rows, plan.arm, seconds)
 
     def _arm_table(self, R: int) -> tuple[dict[int, float], dict[int, RoundPlan]]:
         """Per arm that fits a batch of R (max_round_tokens), its predicted seconds and its plan;

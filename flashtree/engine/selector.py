@@ -30,6 +30,8 @@ extra data read back.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +47,7 @@ EXPLORE_SHARE = 0.03  # share of round time that pays for exploration while draf
 PROBE_MIN = 0.002  # ... and where AR wins by a wide margin
 HOLD_MAX = 64  # AR rounds decided at once, at most
 STALE_WEIGHT = 8  # a drafting round after a stretch of AR steps moves the level as up to this many would
+TIME_WINDOW, TIMED = 16, 3  # timed rounds kept per (batch size, arm); how many make its seconds
 AR_ARM, CHAIN_ARM = -2, -1  # arms: AR, the chain, or a tree grid column (>= 0)
 
 
@@ -242,3 +245,37 @@ class Selector:
         s = self._class(cls)
         s.age += 1
         s.gap += 1
+
+
+class ArmTimes:
+    """What each arm's rounds cost, per batch size: the median wall time of its last TIME_WINDOW
+    rounds there (robust to a round that also flushed held-back context, or that another process
+    slowed), once TIMED of them are in."""
+
+    def __init__(self, window: Callable[[int], int]) -> None:
+        self.window = window  # arm -> the verify window it runs (nearest windows share model errors)
+        self.rounds: dict[tuple[int, int], deque] = {}
+
+    def record(self, rows: int, arm: int, seconds: float) -> None:
+        if seconds > 0:
+            self.rounds.setdefault((rows, arm), deque(maxlen=TIME_WINDOW)).append(seconds)
+
+    def counts(self, rows: int, arms) -> dict[int, int]:
+        return {a: len(self.rounds.get((rows, a), ())) for a in arms}
+
+    def seconds(self, rows: int, modelled: dict[int, float]) -> dict[int, float]:
+        """Seconds per arm: as timed, or the cost model's scaled as the model compares with the
+        timed drafting arm of the nearest window (the model's error depends on the shape: a
+        global scale priced the tree of 8 a third too high on the demo pair)."""
+        timed = {a: float(np.median(self.rounds[rows, a])) for a in modelled
+                 if len(self.rounds.get((rows, a), ())) >= TIMED}
+        near = [a for a in timed if a != AR_ARM]
+        out = {}
+        for a in modelled:
+            if a in timed or not near or a == AR_ARM:  # an AR round has no drafter: its own error
+                out[a] = timed.get(a, modelled[a])
+            else:
+                b = min(near, key=lambda x: abs(np.log(self.window(x) / self.window(a))))
+                out[a] = modelled[a] * timed[b] / modelled[b]
+        return out
+
