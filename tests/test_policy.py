@@ -372,6 +372,7 @@ def test_ar_when_acceptance_collapses(tmp_path, monkeypatch):
     runner = llm.engine.runner
     runner.policy.cost = _cost(2e-4, rows=4)
     monkeypatch.setattr(CostModel, "refine", lambda *a, **k: None)
+    monkeypatch.setattr(Policy, "timed", lambda *a, **k: None)  # prices stay the synthetic model's
     calls: list[int] = []
     forward = runner.drafter.forward
     runner.drafter.forward = lambda noise, ctx: (calls.append(noise.shape[0]), forward(noise, ctx))[1]

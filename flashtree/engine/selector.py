@@ -272,7 +272,7 @@ class ArmTimes:
         near = [a for a in timed if a != AR_ARM]
         out = {}
         for a in modelled:
-            if a in timed or not near or a == AR_ARM:  # an AR round has no drafter: its own error
+            if a in timed or not near:
                 out[a] = timed.get(a, modelled[a])
             else:
                 b = min(near, key=lambda x: abs(np.log(self.window(x) / self.window(a))))
