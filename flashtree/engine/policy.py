@@ -1,6 +1,9 @@
-"""The speculation policy (budget="auto"): each round, for each request, a plain AR step (no
-drafter call), the chain, or a tree of size b, whichever maximises the batch's predicted tokens
-per second.
+"""The speculation policy (budget="auto"): each round, plain AR steps (no drafter call), the
+chain, or a tree of size b, whichever maximises the batch's predicted tokens per second.
+
+A batch whose requests sample alike (one sampling class, the usual case) is planned by the
+selector (selector.py): the arm that has measured best, every row alike, as the fixed methods'
+own plans. A mixed batch is planned per request by the split, described here:
 
     rate = (R + sum over drafting rows of E_r) / seconds(plan)
 

@@ -2,30 +2,35 @@
 size b, whichever has delivered the most tokens per second.
 
 A forecast from the drafter's confidence is one round stale and misjudges streaky acceptance;
-what a shape actually accepts can be measured instead, and one round measures many shapes. The
-top-b tree is a prefix-closed subset of any larger exact tree (tree/value.py), and the target's
-pick at a node depends only on that node's prefix and on the noise of its position (seed-exact
-sampling shares it by depth), so the walk through the small tree follows the big tree's accepted
-path for as long as that path stays inside it. A round that verified a tree of B nodes therefore
-gives, exactly, the tokens every top-b tree with b <= B would have accepted, and the chain's
-(the path's run along the spine, the tree's best-child path, which is the chain the drafter
-drafts); a chain round gives the chain's. Per sampling class (acceptance is a property of what
-is sampled and how, not of the batch size) the selector keeps an exponential average of these
-per arm, and prices every arm for the batch at hand with the cost model (measured at startup,
-refined from timed rounds):
+what a shape accepts can be measured instead, and one round measures many shapes. The top-b tree
+is a prefix-closed subset of any larger exact tree (tree/value.py), and the target's pick at a
+node depends only on the node's prefix and on the noise of its position (seed-exact sampling
+shares it by depth), so the walk through the small tree follows the big tree's accepted path for
+as long as that path stays inside it. A round that verified a tree of B nodes therefore gives,
+exactly, the tokens every top-b tree with b <= B would have accepted; a chain round gives the
+chain's.
+
+Estimates, per sampling class (acceptance depends on what is sampled, not on the batch size):
+an arm's accepted tokens are shape x level. The level is a recent average of a base every
+drafting arm measures alike (the accepted path's first BASE_DEPTH spine nodes); an arm's shape is
+a slow average of its accepted tokens over the base in the same rounds. Pairing matters:
+acceptance comes in streaks and big trees are played when it runs high, so averaging each arm
+over the rounds it happened to be played would credit big trees with the good stretches.
+
+Prices: each arm's timed rounds at this batch size (ArmTimes), or the cost model's seconds where
+it has too few. Then
 
     rate(arm) = rows * (1 + accepted(arm)) / seconds(rows, arm),   rate(AR) = rows / seconds(AR)
 
-It plays the best measured arm. A small share of round time is credit for exploration: an arm
-whose information is stalest among the runners-up is played when the credit covers its expected
-loss, and its news then counts for the rounds it went unobserved. Where AR wins, that share shrinks with how far drafting trails, so a
-class whose drafts never pay (T = 1 with a weak drafter) hardly ever drafts. A class seen for the
-first time drafts its first rounds with the largest tree that costs at most twice the cheapest
-drafting round, so that one round measures many sizes.
+and the best measured arm is played. A share of round time is credit for exploration: the
+stalest of the runners-up (optimistic where an arm rests on few rounds) is played when the
+credit covers its expected loss. Where AR wins, the share shrinks with how far drafting trails,
+so a class whose drafts never pay (T = 1 with a weak drafter) hardly ever drafts, and AR steps
+are decided ahead until the next probe is affordable. A class seen for the first time opens with
+the largest tree that costs at most twice the cheapest drafting round, which measures many sizes.
 
-The chosen plans are the fixed methods' own (every row alike), so a round costs what that fixed
-method's round does: no per-row plan and, apart from the accepted path's place in the tree, no
-extra data read back.
+The plans are the fixed methods' own (every row alike), so a round costs what that fixed method's
+round does: no per-row plan and, apart from the per-size accepted counts, nothing read back.
 """
 
 from __future__ import annotations
