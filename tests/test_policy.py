@@ -280,13 +280,13 @@ def _run(policy: Policy, reqs: list[Request], rounds: int, accept: float, geomet
 
 def test_selector_follows_cost_and_batch():
     """Requests that sample alike get the selector's measured arm: cheap verify nodes buy big trees,
-    steep ones AR steps (after the opening rounds), and the acceptance that pays for a big tree at
+    steep ones AR steps (once a few probes have shown it), and the acceptance that pays for a big tree at
     batch 1 buys a smaller one at batch 16. Every row of a round does the same."""
     cheap = _run(Policy(_cost(1e-5), 16, 16, 64, 4096), _requests(1), 40, 0.8)
-    steep = _run(Policy(_cost(2e-2), 16, 16, 64, 4096), _requests(1), 40, 0.5)
+    steep = _run(Policy(_cost(2e-2), 16, 16, 64, 4096), _requests(1), 100, 0.2)  # drafting: 2/3 of AR's rate
     assert all(p.arm is not None for p in cheap + steep)
     assert np.median([p.window for p in cheap[10:]]) >= 16  # the chain (window 16) or a bigger tree
-    assert sum(p.drafting for p in steep[10:]) <= 0.25 * 30  # probes only: drafting nearly breaks even here
+    assert sum(p.drafting for p in steep[50:]) <= 0.15 * 50  # a few probes, once the evidence is in
     one = _run(Policy(_cost(2e-3), 16, 16, 64, 4096), _requests(1), 40, 0.9, geometric=True)
     w1 = np.median([p.window for p in one[10:]])
     many = _run(Policy(_cost(2e-3), 16, 16, 64, 4096), _requests(16), 40, 0.9, geometric=True)

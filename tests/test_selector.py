@@ -106,14 +106,15 @@ def test_selector_prefers_the_chain_when_it_accepts_more():
 
 
 def test_selector_stays_on_ar_where_drafting_loses_and_rechecks_stale_arms():
-    """Drafting loses (AR steps win, 1.5x) at 16 rows: AR in almost every round. A tree whose
+    """Drafting loses (AR steps win, 1.5x) at 16 rows: AR in nine rounds of ten or more (the
+    probes come rarer as the evidence grows). A tree whose
     estimate went stale is re-measured now and then, and when it has become good it is played."""
     sel = Selector(GRID, 15)
     weak = [0.1, 0.2, 0.3, 0.4, 0.4, 0.4, 0.4]
     seconds = {a: 16 * s for a, s in _seconds(0.05).items()}
     seconds[AR_ARM] = 12.0
     arms = _play(sel, 400, weak, 0.3, seconds, rows=16)
-    assert arms[20:].count(AR_ARM) > 0.95 * 380
+    assert arms[20:].count(AR_ARM) > 0.9 * 380
     good = [0.9, 1.9, 3.9, 7.9, 14, 14, 14]
     arms = _play(sel, 600, good, 14.0, seconds, rows=16)
     assert AR_ARM not in arms[-100:]

@@ -46,6 +46,7 @@ SHAPE_RATE = 0.01  # ... and in an arm's shape, which changes slowly
 BASE_DEPTH = 3  # the level counts the accepted path's first BASE_DEPTH spine nodes
 SHAPE_PRIOR = 0.5  # pseudo-count (in base tokens) that keeps a shape finite where the base is ~0
 KNOWN = 3  # rounds of evidence before an arm's estimate is trusted
+CHAIN_PRIOR = 4  # rounds' worth of weight the tree of the chain's size has in the chain's estimate
 COLD_ROUNDS = 3  # drafting rounds a new class opens with (the exploration tree)
 COLD_COST = 2.0  # the opening tree may cost this many times the cheapest drafting round
 EXPLORE_SHARE = 0.03  # share of round time that pays for exploration while drafting wins
@@ -111,7 +112,11 @@ class Selector:
                 step *= 0.7
                 tree[k] = tree[k - 1] + max(step, 0.0)
             tree = np.maximum.accumulate(np.minimum(tree, self.depth))
-        chain = float(min(shape[G] * s.level, self.depth)) if s.seen[G] > 0 else float(tree[min(self.chain_column(), G - 1)])
+        # The chain is measured only by its own rounds, one round is a noisy sample (0 to depth
+        # tokens), so its first few lean on the tree of its size.
+        like = float(tree[min(self.chain_column(), G - 1)])
+        w = s.seen[G] / (s.seen[G] + CHAIN_PRIOR)
+        chain = w * float(min(shape[G] * s.level, self.depth)) + (1.0 - w) * like
         return tree, chain
 
     def chain_column(self) -> int:
@@ -148,31 +153,35 @@ class Selector:
         rates = self.rates(cls, rows, seconds, ar_seconds)
         known = {a: r for a, r in rates.items() if a == AR_ARM or self._seen(s, a) >= KNOWN}
         best = max(known, key=known.get)
-        top = max(rates[a] for a in drafting)
-        share = EXPLORE_SHARE
-        if best == AR_ARM:  # exploration shrinks with how far the best drafting arm trails
-            share = PROBE_MIN + (EXPLORE_SHARE - PROBE_MIN) * min(1.0, max(0.0, (top / rates[AR_ARM] - 0.5) / 0.5))
-        s.credit = min(s.credit + share * seconds.get(best, ar_seconds), 8.0 * max(seconds.values()))
-        # Candidates: the next two drafting arms by rate, optimistic where an arm's acceptance or
-        # its seconds at this batch size rest on few rounds, and the biggest tree that costs at
-        # most COLD_COST times the best's round (it measures every smaller tree too); the
-        # stalest of them is played, so no estimate goes unrefreshed for long.
+        # Optimism where an arm's acceptance or its seconds at this batch size rest on few rounds.
         timed = timed or {}
-        hope = {a: rates[a] * (1.0 + 1.0 / np.sqrt(1.0 + min(self._seen(s, a), 2 * timed.get(a, np.inf))))
+        hope = {a: rates[a] * (1.0 + 1.0 / np.sqrt(1.0 + self._evidence(s, a, timed.get(a, TIMED))))
                 for a in drafting}
+        share = EXPLORE_SHARE
+        probe = max(drafting, key=rates.get)  # from AR steps: the best drafting arm
+        if best == AR_ARM:  # exploration shrinks with how far that arm trails, hopefully
+            top = hope[probe] / rates[AR_ARM]
+            share = PROBE_MIN + (EXPLORE_SHARE - PROBE_MIN) * min(1.0, max(0.0, (top - 0.6) / 0.4)) ** 2
+        s.credit = min(s.credit + share * seconds.get(best, ar_seconds), 8.0 * max(seconds.values()))
+        # Candidates: the next two drafting arms by hope, and the biggest tree that costs at most
+        # COLD_COST times the best's round (it measures every smaller tree too); the stalest of
+        # them is played, so no estimate goes unrefreshed for long.
         ranked = sorted((a for a in drafting if a != best), key=hope.get, reverse=True)
         plausible = ranked[:2]
         wide = [a for a in drafting if a >= 0 and seconds[a] <= COLD_COST * seconds[best]]
         if wide and best != AR_ARM and max(wide) != best:
             plausible.append(max(wide))
         if plausible:
-            # On AR steps, the most hopeful drafting arm (the cheapest news of whether drafting
-            # pays again); else the stalest, among equals the biggest tree.
+            # On AR steps, the best drafting arm (the cheapest news of whether drafting pays
+            # again); else the stalest, among equals the biggest tree.
+            # A probe from AR steps is priced at its hopeful rate: while drafting may well pay
+            # (little evidence yet), probes are nearly free; once it has shown it does not, dear.
             if best == AR_ARM:
-                cand = max(drafting, key=hope.get)
+                cand = probe
+                price = max(0.0, seconds[cand] * (1.0 - hope[cand] / rates[AR_ARM]))
             else:  # never timed at this batch size first
                 cand = max(plausible, key=lambda a: (timed.get(a, KNOWN) < KNOWN, self._age(s, a), a))
-            price = max(0.0, seconds[cand] - rows * (1.0 + self._tokens(rates, seconds, cand, rows)) / rates[best])
+                price = max(0.0, seconds[cand] * (1.0 - rates[cand] / rates[best]))
             if (self._age(s, cand) > 1 or timed.get(cand, KNOWN) < KNOWN) and s.credit >= price:
                 s.credit -= price
                 return cand, True
@@ -192,16 +201,17 @@ class Selector:
         self.idle(cls)
         return True
 
+    def _evidence(self, s: ClassStats, arm: int, timed: int) -> float:
+        """Rounds behind an arm's rate: its acceptance measurements, or its timed rounds at this
+        batch size while those are fewer than TIMED."""
+        seen = self._seen(s, arm)
+        return seen if timed >= TIMED else min(seen, timed)
+
     def _seen(self, s: ClassStats, arm: int) -> float:
         return float(s.seen[len(self.grid) if arm == CHAIN_ARM else arm])
 
     def _age(self, s: ClassStats, arm: int) -> float:
         return float(s.age[len(self.grid) if arm == CHAIN_ARM else arm])
-
-    @staticmethod
-    def _tokens(rates: dict[int, float], seconds: dict[int, float], arm: int, rows: int) -> float:
-        """Accepted drafted tokens per row the arm is expected to bring."""
-        return rates[arm] * seconds[arm] / rows - 1.0
 
     def predicted(self, cls: int, arm: int) -> float:
         if arm == AR_ARM:
