@@ -11,8 +11,9 @@ tail rounds of a few rows weighed on every speculating cell.) Each stream runs t
 back to back, in an order rotated from stream to stream, so drift and other processes on the
 machine spread over all cells. A cell's throughput is its output tokens over the wall time of
 its streams. Every cell first runs one unrecorded warmup of c requests per temperature (auto
-learns its acceptance there, as a server would from its first requests). Requests are seeded and run to max_tokens, so with
-seed-exact sampling every cell produces the same tokens: the table checks that too.
+learns its acceptance there, as a server would from its first requests). Requests are seeded
+and run to max_tokens, so with seed-exact sampling every cell produces the same tokens: the
+table checks that too.
 """
 
 from __future__ import annotations
