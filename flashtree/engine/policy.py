@@ -374,8 +374,9 @@ class Policy:
         return dataclasses.replace(plan, predicted=[self.selector.predicted(cls, arm)] * R, cls=cls)
 
     def timed(self, plan: RoundPlan, rows: int, seconds: float) -> None:
-        """A round the selector planned took `seconds` of wall time."""
-        if plan.arm is not None:
+        """A round the selector planned took `seconds` of wall time. Not kept under a frozen cost
+        model (tensor parallelism): every rank must price, so plan, alike."""
+        if plan.arm is not None and not self.cost.frozen:
             self.times.record(rows, plan.arm, seconds)
 
     def _arm_table(self, R: int) -> tuple[dict[int, float], dict[int, RoundPlan]]:

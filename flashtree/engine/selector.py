@@ -158,9 +158,13 @@ class Selector:
         hope = {a: rates[a] * (1.0 + 1.0 / np.sqrt(1.0 + self._evidence(s, a, timed.get(a, TIMED))))
                 for a in drafting}
         share = EXPLORE_SHARE
-        probe = max(drafting, key=rates.get)  # from AR steps: the best drafting arm
+        # From AR steps the probe is the best drafting arm, hopeful only where its acceptance rests
+        # on few rounds: its seconds are new at every batch size a draining batch passes through,
+        # and counting that would make every such round a free probe.
+        probe = max(drafting, key=rates.get)
+        hopeful = rates[probe] * (1.0 + 1.0 / np.sqrt(1.0 + self._seen(s, probe)))
         if best == AR_ARM:  # exploration shrinks with how far that arm trails, hopefully
-            top = hope[probe] / rates[AR_ARM]
+            top = hopeful / rates[AR_ARM]
             share = PROBE_MIN + (EXPLORE_SHARE - PROBE_MIN) * min(1.0, max(0.0, (top - 0.6) / 0.4)) ** 2
         s.credit = min(s.credit + share * seconds.get(best, ar_seconds), 8.0 * max(seconds.values()))
         # Candidates: the next two drafting arms by hope, and the biggest tree that costs at most
@@ -178,7 +182,7 @@ class Selector:
             # (little evidence yet), probes are nearly free; once it has shown it does not, dear.
             if best == AR_ARM:
                 cand = probe
-                price = max(0.0, seconds[cand] * (1.0 - hope[cand] / rates[AR_ARM]))
+                price = max(0.0, seconds[cand] * (1.0 - hopeful / rates[AR_ARM]))
             else:  # never timed at this batch size first
                 cand = max(plausible, key=lambda a: (timed.get(a, KNOWN) < KNOWN, self._age(s, a), a))
                 price = max(0.0, seconds[cand] * (1.0 - rates[cand] / rates[best]))
