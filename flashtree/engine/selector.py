@@ -95,8 +95,8 @@ class Selector:
     def accepted(self, cls: int) -> tuple[np.ndarray, float]:
         """Expected drafted tokens accepted per row: [G] per tree column, and the chain's, as
         shape x level. Tree columns never measured extend the largest measured one by its last
-        increment, in shrinking steps; a bigger tree never accepts less. The chain, never
-        measured, takes the tree of the same size's value."""
+        increment, in shrinking steps; a bigger tree never accepts less. The chain's estimate
+        leans on the tree of its size until its own rounds add up (CHAIN_PRIOR)."""
         s = self._class(cls)
         G = len(self.grid)
         shape = (s.num + SHAPE_PRIOR) / (s.den + SHAPE_PRIOR)
@@ -176,17 +176,16 @@ class Selector:
         if wide and best != AR_ARM and max(wide) != best:
             plausible.append(max(wide))
         if plausible:
-            # On AR steps, the best drafting arm (the cheapest news of whether drafting pays
-            # again); else the stalest, among equals the biggest tree.
-            # A probe from AR steps is priced at its hopeful rate: while drafting may well pay
-            # (little evidence yet), probes are nearly free; once it has shown it does not, dear.
+            # From AR steps: the best drafting arm, priced at its hopeful rate (nearly free while
+            # drafting may well pay, dear once it has shown it does not). Else the stalest
+            # runner-up, never timed at this batch size first, among equals the biggest tree.
             if best == AR_ARM:
                 cand = probe
                 price = max(0.0, seconds[cand] * (1.0 - hopeful / rates[AR_ARM]))
-            else:  # never timed at this batch size first
-                cand = max(plausible, key=lambda a: (timed.get(a, KNOWN) < KNOWN, self._age(s, a), a))
+            else:
+                cand = max(plausible, key=lambda a: (timed.get(a, TIMED) < TIMED, self._age(s, a), a))
                 price = max(0.0, seconds[cand] * (1.0 - rates[cand] / rates[best]))
-            if (self._age(s, cand) > 1 or timed.get(cand, KNOWN) < KNOWN) and s.credit >= price:
+            if (self._age(s, cand) > 1 or timed.get(cand, TIMED) < TIMED) and s.credit >= price:
                 s.credit -= price
                 return cand, True
             if best == AR_ARM and share > 0:
