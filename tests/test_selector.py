@@ -67,7 +67,7 @@ def _play(sel: Selector, rounds: int, acc_tree, acc_chain: float, seconds: dict,
     """Rounds where a tree of column j accepts acc_tree[j] per row and the chain acc_chain."""
     arms = []
     for _ in range(rounds):
-        arm, _ = sel.choose(0, rows, seconds, seconds[AR_ARM])
+        arm = sel.choose(0, rows, seconds, seconds[AR_ARM])
         arms.append(arm)
         if arm == CHAIN_ARM:
             sel.observe(0, rows, None, np.full(rows, acc_chain))

@@ -364,7 +364,7 @@ class Policy:
             return self._arms[R][2][AR_ARM]
         modelled, plans = self._arm_table(R)
         seconds = self.times.seconds(R, modelled)
-        arm, _ = self.selector.choose(cls, R, seconds, seconds[AR_ARM], self.times.counts(R, seconds))
+        arm = self.selector.choose(cls, R, seconds, seconds[AR_ARM], self.times.counts(R, seconds))
         plan = plans[arm]
         self.rounds += 1
         if arm == AR_ARM:

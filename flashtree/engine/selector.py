@@ -122,12 +122,16 @@ class Selector:
     def chain_column(self) -> int:
         return int(np.searchsorted(self.grid, self.depth))
 
-    def rates(self, cls: int, rows: int, seconds: dict[int, float], ar_seconds: float) -> dict[int, float]:
-        """Predicted tokens per second of every arm that fits (`seconds`: arm -> round seconds)."""
+    def _estimate(self, cls: int) -> tuple[np.ndarray, float]:
+        """accepted(cls), recomputed only after an observation."""
         s = self._class(cls)
         if s.changed:
             s.estimate, s.changed = self.accepted(cls), False
-        tree, chain = s.estimate
+        return s.estimate
+
+    def rates(self, cls: int, rows: int, seconds: dict[int, float], ar_seconds: float) -> dict[int, float]:
+        """Predicted tokens per second of every arm that fits (`seconds`: arm -> round seconds)."""
+        tree, chain = self._estimate(cls)
         out = {AR_ARM: rows / ar_seconds}
         for arm, sec in seconds.items():
             if arm != AR_ARM:
@@ -137,19 +141,19 @@ class Selector:
     # ---- the choice --------------------------------------------------------------------------
 
     def choose(self, cls: int, rows: int, seconds: dict[int, float], ar_seconds: float,
-               timed: dict[int, int] | None = None) -> tuple[int, bool]:
-        """The arm to play (AR_ARM, CHAIN_ARM or a tree column) and whether it explores.
+               timed: dict[int, int] | None = None) -> int:
+        """The arm to play: AR_ARM, CHAIN_ARM or a tree column.
         timed: rounds behind each arm's seconds at this batch size (modelled ones: 0)."""
         s = self._class(cls)
         drafting = [a for a in seconds if a != AR_ARM]
         if not drafting:
-            return AR_ARM, False
+            return AR_ARM
         if s.rounds < COLD_ROUNDS:
             cheapest = min(seconds[a] for a in drafting)
             trees = [a for a in drafting if a >= 0 and seconds[a] <= COLD_COST * cheapest]
             if trees:
-                return max(trees), True
-            return min(drafting, key=lambda a: seconds[a]), True
+                return max(trees)
+            return min(drafting, key=lambda a: seconds[a])
         rates = self.rates(cls, rows, seconds, ar_seconds)
         known = {a: r for a, r in rates.items() if a == AR_ARM or self._seen(s, a) >= KNOWN}
         best = max(known, key=known.get)
@@ -187,12 +191,12 @@ class Selector:
                 price = max(0.0, seconds[cand] * (1.0 - rates[cand] / rates[best]))
             if (self._age(s, cand) > 1 or timed.get(cand, TIMED) < TIMED) and s.credit >= price:
                 s.credit -= price
-                return cand, True
+                return cand
             if best == AR_ARM and share > 0:
                 # Nothing changes until the credit covers that probe: hold AR steps till then.
                 per_round = share * seconds[AR_ARM]
                 s.hold = (rows, min(HOLD_MAX, int(np.ceil((price - s.credit) / per_round))) - 1, per_round)
-        return best, False
+        return best
 
     def held(self, cls: int, rows: int) -> bool:
         """Another AR round of a hold (see choose): nothing to compute, the credit accrues."""
@@ -219,7 +223,7 @@ class Selector:
     def predicted(self, cls: int, arm: int) -> float:
         if arm == AR_ARM:
             return 0.0
-        tree, chain = self.accepted(cls)
+        tree, chain = self._estimate(cls)
         return chain if arm == CHAIN_ARM else float(tree[arm])
 
     # ---- learning ----------------------------------------------------------------------------
