@@ -277,10 +277,14 @@ class ArmTimes:
     def __init__(self, window: Callable[[int], int]) -> None:
         self.window = window  # arm -> the verify window it runs (nearest windows share model errors)
         self.rounds: dict[tuple[int, int], deque] = {}
+        self.median: dict[tuple[int, int], float] = {}  # kept as rounds come in, not per plan
 
     def record(self, rows: int, arm: int, seconds: float) -> None:
         if seconds > 0:
-            self.rounds.setdefault((rows, arm), deque(maxlen=TIME_WINDOW)).append(seconds)
+            times = self.rounds.setdefault((rows, arm), deque(maxlen=TIME_WINDOW))
+            times.append(seconds)
+            if len(times) >= TIMED:
+                self.median[rows, arm] = float(np.median(times))
 
     def counts(self, rows: int, arms) -> dict[int, int]:
         return {a: len(self.rounds.get((rows, a), ())) for a in arms}
@@ -289,8 +293,7 @@ class ArmTimes:
         """Seconds per arm: as timed, or the cost model's scaled as the model compares with the
         timed drafting arm of the nearest window (the model's error depends on the shape: a
         global scale priced the tree of 8 a third too high on the demo pair)."""
-        timed = {a: float(np.median(self.rounds[rows, a])) for a in modelled
-                 if len(self.rounds.get((rows, a), ())) >= TIMED}
+        timed = {a: self.median[rows, a] for a in modelled if (rows, a) in self.median}
         near = [a for a in timed if a != AR_ARM]
         out = {}
         for a in modelled:
