@@ -63,12 +63,14 @@ class ClassStats:
     BASE_DEPTH spine nodes, which every drafting arm measures alike). num/den per arm (tree
     columns, then the chain): slow averages of the arm's accepted tokens and of the base over
     the rounds that measured the arm, so num/den is its shape, measured in the same rounds as
-    its base. seen/age: rounds of evidence per arm, and rounds since it was last measured."""
+    its base. seen: rounds of evidence per arm; measured_at: the class's round (its clock) when
+each arm was last measured, so an arm's age is clock - measured_at (an AR round only ticks)."""
 
     num: np.ndarray
     den: np.ndarray
     seen: np.ndarray
-    age: np.ndarray
+    measured_at: np.ndarray
+    clock: int = 0  # rounds of this class, AR steps included
     level: float = 0.0
     gap: int = 1  # rounds since the last drafting round, this one included
     rounds: int = 0  # drafting rounds observed
@@ -87,7 +89,7 @@ class Selector:
     def _class(self, cls: int) -> ClassStats:
         if cls not in self.stats:
             n = len(self.grid) + 1
-            self.stats[cls] = ClassStats(np.zeros(n), np.zeros(n), np.zeros(n), np.full(n, np.inf))
+            self.stats[cls] = ClassStats(np.zeros(n), np.zeros(n), np.zeros(n), np.full(n, -np.inf))
         return self.stats[cls]
 
     # ---- estimates ---------------------------------------------------------------------------
@@ -218,7 +220,7 @@ class Selector:
         return float(s.seen[len(self.grid) if arm == CHAIN_ARM else arm])
 
     def _age(self, s: ClassStats, arm: int) -> float:
-        return float(s.age[len(self.grid) if arm == CHAIN_ARM else arm])
+        return float(s.clock - s.measured_at[len(self.grid) if arm == CHAIN_ARM else arm])
 
     def predicted(self, cls: int, arm: int) -> float:
         if arm == AR_ARM:
@@ -235,7 +237,7 @@ class Selector:
         before the chain's depth, so only chain rounds measure the chain's shape."""
         s = self._class(cls)
         G = len(self.grid)
-        s.age += 1
+        s.clock += 1
         s.rounds += 1
         s.changed = True
         s.hold = (0, 0, 0.0)
@@ -260,12 +262,12 @@ class Selector:
         s.num[where] += weight * (x - s.num[where])
         s.den[where] += weight * (base - s.den[where])
         s.seen[where] = n + 1
-        s.age[where] = 0
+        s.measured_at[where] = s.clock
 
     def idle(self, cls: int) -> None:
         """A round of AR steps for this class: its information ages."""
         s = self._class(cls)
-        s.age += 1
+        s.clock += 1
         s.gap += 1
 
 
@@ -283,8 +285,10 @@ class ArmTimes:
         if seconds > 0:
             times = self.rounds.setdefault((rows, arm), deque(maxlen=TIME_WINDOW))
             times.append(seconds)
-            if len(times) >= TIMED:
-                self.median[rows, arm] = float(np.median(times))
+            if len(times) >= TIMED:  # (sorted, not np.median: this runs every round)
+                ordered = sorted(times)
+                mid = len(ordered) // 2
+                self.median[rows, arm] = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
     def counts(self, rows: int, arms) -> dict[int, int]:
         return {a: len(self.rounds.get((rows, a), ())) for a in arms}
