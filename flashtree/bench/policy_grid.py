@@ -5,8 +5,10 @@ For each (temperature, concurrency c) every cell (ar, dflash, ddtree at each fix
 is its own LLMEngine with max_batch = c, sharing the loaded weights. Concurrency means requests
 in flight, as in a serving benchmark: the prompts are cut into streams of CHUNK x c, and a stream
 keeps c requests running (one that finishes makes room for the next prompt), so the batch
-shrinks only at a stream's end. (Waves of c requests submitted together, as this grid ran before,
-let the batch drain within every wave: speculation spreads the rows' finishing times, and the
+shrinks only at a stream's end. A cell runs at least one full stream, reusing the prompts with
+fresh seeds where there are fewer than CHUNK x c of them, so that even at the highest
+concurrency most rounds run at a steady load. (Waves of c requests submitted together, as this
+grid ran before, let the batch drain within every wave: speculation spreads the rows' finishing times, and the
 tail rounds of a few rows weighed on every speculating cell.) Each stream runs through every cell
 back to back, in an order rotated from stream to stream, so drift and other processes on the
 machine spread over all cells. A cell's throughput is its output tokens over the wall time of
@@ -139,7 +141,7 @@ def run_policy_grid(spec: PolicyGridSpec, progress: bool = True) -> dict:
     engines = {(c, label): LLMEngine(_config(spec, label, c, need), share_weights=base)
                for c in sorted(spec.concurrency, reverse=True) for label in labels}
     cells: dict[tuple[float, int, str], GridCell] = {}
-    total = len(spec.temperatures) * sum(len(labels) * (1 + spec.passes * -(-len(ids) // (CHUNK * c)))
+    total = len(spec.temperatures) * sum(len(labels) * (1 + spec.passes * -(-requests(len(ids), c) // (CHUNK * c)))
                                          for c in spec.concurrency)
     bar = tqdm(total=total, desc="policy grid", unit="wave", file=sys.stderr, disable=not progress,
                dynamic_ncols=True)
@@ -151,11 +153,13 @@ def run_policy_grid(spec: PolicyGridSpec, progress: bool = True) -> dict:
                 bar.set_postfix_str(f"T={t:g} c={c} warmup {label}", refresh=False)
                 run_stream(engines[c, label], [ids[i % len(ids)] for i in range(c)], warm, GridCell(t, c, label), c)
                 bar.update(1)
-            chunks = list(range(0, len(ids), CHUNK * c))
+            n = requests(len(ids), c)
+            chunks = list(range(0, n, CHUNK * c))
             for w, start in enumerate(chunks * spec.passes):
-                chunk = ids[start : start + CHUNK * c]
-                params = [SamplingParams(temperature=t, max_tokens=spec.max_tokens, seed=spec.seed + start + i,
-                                         ignore_eos=True) for i in range(len(chunk))]
+                stop = min(n, start + CHUNK * c)
+                chunk = [ids[i % len(ids)] for i in range(start, stop)]
+                params = [SamplingParams(temperature=t, max_tokens=spec.max_tokens, seed=spec.seed + i,
+                                         ignore_eos=True) for i in range(start, stop)]
                 k = w % len(labels)
                 for label in labels[k:] + labels[:k]:
                     bar.set_postfix_str(f"T={t:g} c={c} {label}", refresh=False)
@@ -165,6 +169,13 @@ def run_policy_grid(spec: PolicyGridSpec, progress: bool = True) -> dict:
     bar.close()
     return {"spec": vars(spec), "cells": cells, "seconds": time.perf_counter() - started, "load_average_start": load,
             "device": str(base.device), "dtype": str(base.dtype).removeprefix("torch.")}
+
+
+def requests(prompts: int, concurrency: int) -> int:
+    """Requests per cell: every prompt, and at least one full stream (CHUNK x c, the prompts
+    reused with fresh seeds), so that at every concurrency the batch is refilled as requests
+    finish and most rounds run at the steady load the cell names, not in a wave's drain."""
+    return max(prompts, CHUNK * concurrency)
 
 
 def _suite_spec(spec: PolicyGridSpec):
