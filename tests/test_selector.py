@@ -120,6 +120,20 @@ def test_selector_stays_on_ar_where_drafting_loses_and_rechecks_stale_arms():
     assert AR_ARM not in arms[-100:]
 
 
+def test_selector_keeps_ar_steps_within_the_margin_and_drafts_beyond_it():
+    """Near parity AR steps win: a tree predicting 2% more tokens per second than AR is not
+    played over them (only probed), one predicting 10% more is. Rates at 16 rows: AR 16/12;
+    the tree of 4 16 * (1 + acc) / 13.6 s."""
+    seconds = {a: 16 * s for a, s in _seconds(0.05).items()}
+    seconds[AR_ARM] = 12.0
+    for gain, drafts in ((1.02, False), (1.10, True)):
+        acc = gain * seconds[2] / seconds[AR_ARM] - 1.0  # the tree of 4's rate, gain x AR's
+        sel = Selector(GRID, 15)
+        arms = _play(sel, 300, [0.0, 0.0, acc, acc, acc, acc, acc], acc, seconds, rows=16)
+        assert (arms[50:].count(AR_ARM) > 0.9 * 250) != drafts, gain
+        assert (arms[50:].count(2) > 0.8 * 250) == drafts, gain
+
+
 def test_arm_times_take_the_median_and_scale_untimed_arms_by_the_nearest_window():
     """Timed arms cost their rounds' median (an outlier round does not move it); an arm not timed
     yet takes the model's seconds scaled like the timed drafting arm of the nearest window."""

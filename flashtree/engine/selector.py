@@ -52,6 +52,9 @@ COLD_COST = 2.0  # the opening tree may cost this many times the cheapest drafti
 EXPLORE_SHARE = 0.03  # share of round time that pays for exploration while drafting wins
 PROBE_MIN = 0.002  # ... and where AR wins by a wide margin
 HOLD_MAX = 64  # AR rounds decided at once, at most
+AR_MARGIN = 1.03  # a drafting arm is played over AR steps only where it predicts this much more
+PROBE_PRICE = 0.25  # a probe from AR steps costs at least this share of its round: near parity
+#                     (hopeful above AR's rate) probes were free, so every other round drafted
 STALE_WEIGHT = 8  # a drafting round after a stretch of AR steps moves the level as up to this many would
 TIME_WINDOW, TIMED = 16, 3  # timed rounds kept per (batch size, arm); how many make its seconds
 AR_ARM, CHAIN_ARM = -2, -1  # arms: AR, the chain, or a tree grid column (>= 0)
@@ -85,6 +88,7 @@ class Selector:
         self.grid = grid
         self.depth = depth
         self.stats: dict[int, ClassStats] = {}
+        self.margin = AR_MARGIN
 
     def _class(self, cls: int) -> ClassStats:
         if cls not in self.stats:
@@ -158,7 +162,9 @@ class Selector:
             return min(drafting, key=lambda a: seconds[a])
         rates = self.rates(cls, rows, seconds, ar_seconds)
         known = {a: r for a, r in rates.items() if a == AR_ARM or self._seen(s, a) >= KNOWN}
-        best = max(known, key=known.get)
+        # Drafting must beat AR steps by a margin: near parity the noise of its estimate, and the
+        # held-back context its first round appends, decide.
+        best = max(known, key=lambda a: known[a] * (1.0 if a == AR_ARM else 1.0 / self.margin))
         # Optimism where an arm's acceptance or its seconds at this batch size rest on few rounds.
         timed = timed or {}
         hope = {a: rates[a] * (1.0 + 1.0 / np.sqrt(1.0 + self._evidence(s, a, timed.get(a, TIMED))))
@@ -182,12 +188,12 @@ class Selector:
         if wide and best != AR_ARM and max(wide) != best:
             plausible.append(max(wide))
         if plausible:
-            # From AR steps: the best drafting arm, priced at its hopeful rate (nearly free while
+            # From AR steps: the best drafting arm, priced at its hopeful rate (cheap while
             # drafting may well pay, dear once it has shown it does not). Else the stalest
             # runner-up, never timed at this batch size first, among equals the biggest tree.
             if best == AR_ARM:
                 cand = probe
-                price = max(0.0, seconds[cand] * (1.0 - hopeful / rates[AR_ARM]))
+                price = seconds[cand] * max(PROBE_PRICE, 1.0 - hopeful / rates[AR_ARM])
             else:
                 cand = max(plausible, key=lambda a: (timed.get(a, TIMED) < TIMED, self._age(s, a), a))
                 price = max(0.0, seconds[cand] * (1.0 - rates[cand] / rates[best]))
