@@ -161,7 +161,10 @@ class Selector:
                 return max(trees)
             return min(drafting, key=lambda a: seconds[a])
         rates = self.rates(cls, rows, seconds, ar_seconds)
-        known = {a: r for a, r in rates.items() if a == AR_ARM or self._seen(s, a) >= KNOWN}
+        # (The chain's estimate leans on the tree of its size: their rounds count alike here.)
+        chain_seen = self._seen(s, CHAIN_ARM) + self._seen(s, min(self.chain_column(), len(self.grid) - 1))
+        known = {a: r for a, r in rates.items()
+                 if a == AR_ARM or (chain_seen if a == CHAIN_ARM else self._seen(s, a)) >= KNOWN}
         # Drafting must beat AR steps by a margin: near parity the noise of its estimate, and the
         # held-back context its first round appends, decide.
         best = max(known, key=lambda a: known[a] * (1.0 if a == AR_ARM else 1.0 / self.margin))
