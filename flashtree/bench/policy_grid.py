@@ -8,8 +8,8 @@ keeps c requests running (one that finishes makes room for the next prompt), so 
 shrinks only at a stream's end. A cell runs at least one full stream, reusing the prompts with
 fresh seeds where there are fewer than CHUNK x c of them, so that even at the highest
 concurrency most rounds run at a steady load. (Waves of c requests submitted together, as this
-grid ran before, let the batch drain within every wave: speculation spreads the rows' finishing times, and the
-tail rounds of a few rows weighed on every speculating cell.) Each stream runs through every cell
+grid ran before, let the batch drain within every wave: speculation spreads the rows' finishing
+times, and the tail rounds of a few rows weighed on every speculating cell.) Each stream runs through every cell
 back to back, in an order rotated from stream to stream, so drift and other processes on the
 machine spread over all cells. A cell's throughput is its output tokens over the wall time of
 its streams. Every cell first runs one unrecorded warmup of c requests per temperature (auto

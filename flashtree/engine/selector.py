@@ -67,7 +67,7 @@ class ClassStats:
     columns, then the chain): slow averages of the arm's accepted tokens and of the base over
     the rounds that measured the arm, so num/den is its shape, measured in the same rounds as
     its base. seen: rounds of evidence per arm; measured_at: the class's round (its clock) when
-each arm was last measured, so an arm's age is clock - measured_at (an AR round only ticks)."""
+    each arm was last measured, so an arm's age is clock - measured_at (an AR round only ticks)."""
 
     num: np.ndarray
     den: np.ndarray
