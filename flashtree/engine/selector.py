@@ -35,6 +35,8 @@ round does: no per-row plan and, apart from the per-size accepted counts, nothin
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,6 +91,8 @@ class Selector:
         self.depth = depth
         self.stats: dict[int, ClassStats] = {}
         self.margin = AR_MARGIN
+        # The tree column of the chain's size (or the largest): the chain's estimate leans on it.
+        self.chain_twin = min(int(np.searchsorted(grid, depth)), len(grid) - 1)
 
     def _class(self, cls: int) -> ClassStats:
         if cls not in self.stats:
@@ -120,7 +124,7 @@ class Selector:
             tree = np.maximum.accumulate(np.minimum(tree, self.depth))
         # The chain is measured only by its own rounds, one round is a noisy sample (0 to depth
         # tokens), so its first few lean on the tree of its size.
-        like = float(tree[min(self.chain_column(), G - 1)])
+        like = float(tree[self.chain_twin])
         w = s.seen[G] / (s.seen[G] + CHAIN_PRIOR)
         chain = w * float(min(shape[G] * s.level, self.depth)) + (1.0 - w) * like
         return tree, chain
@@ -161,8 +165,8 @@ class Selector:
                 return max(trees)
             return min(drafting, key=lambda a: seconds[a])
         rates = self.rates(cls, rows, seconds, ar_seconds)
-        # (The chain's estimate leans on the tree of its size: their rounds count alike here.)
-        chain_seen = self._seen(s, CHAIN_ARM) + self._seen(s, min(self.chain_column(), len(self.grid) - 1))
+        # (The chain's estimate leans on its twin tree: their rounds count alike here.)
+        chain_seen = self._seen(s, CHAIN_ARM) + self._seen(s, self.chain_twin)
         known = {a: r for a, r in rates.items()
                  if a == AR_ARM or (chain_seen if a == CHAIN_ARM else self._seen(s, a)) >= KNOWN}
         # Drafting must beat AR steps by a margin: near parity the noise of its estimate, and the
@@ -294,10 +298,8 @@ class ArmTimes:
         if seconds > 0:
             times = self.rounds.setdefault((rows, arm), deque(maxlen=TIME_WINDOW))
             times.append(seconds)
-            if len(times) >= TIMED:  # (sorted, not np.median: this runs every round)
-                ordered = sorted(times)
-                mid = len(ordered) // 2
-                self.median[rows, arm] = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+            if len(times) >= TIMED:  # (statistics, not np.median: this runs every round)
+                self.median[rows, arm] = statistics.median(times)
 
     def counts(self, rows: int, arms) -> dict[int, int]:
         return {a: len(self.rounds.get((rows, a), ())) for a in arms}
@@ -313,7 +315,7 @@ class ArmTimes:
             if a in timed or not near:
                 out[a] = timed.get(a, modelled[a])
             else:
-                b = min(near, key=lambda x: abs(np.log(self.window(x) / self.window(a))))
+                b = min(near, key=lambda x: abs(math.log(self.window(x) / self.window(a))))
                 out[a] = modelled[a] * timed[b] / modelled[b]
         return out
 
