@@ -9,10 +9,13 @@ shrinks only at a stream's end. A cell runs at least one full stream, reusing th
 fresh seeds where there are fewer than CHUNK x c of them, so that even at the highest
 concurrency most rounds run at a steady load. (Waves of c requests submitted together, as this
 grid ran before, let the batch drain within every wave: speculation spreads the rows' finishing
-times, and the tail rounds of a few rows weighed on every speculating cell.) Each stream runs through every cell
-back to back, in an order rotated from stream to stream, so drift and other processes on the
-machine spread over all cells. A cell's throughput is its output tokens over the wall time of
-its streams. Every cell first runs one unrecorded warmup of c requests per temperature (auto
+times, and the tail rounds of a few rows weighed on every speculating cell.) Every cell runs a
+stream at the same time, one engine step each in turn (the first to step rotated from stream to
+stream), so drift and other processes on the machine fall on all cells alike: a grid that ran
+each cell's stream back to back measured two engines doing the same work 5-20% apart. A cell's
+throughput is its output tokens over the wall time of its own steps. (Between two rounds of an
+engine the others step, so auto's round timings leave out its own work between rounds, which
+they count when an engine runs alone; the cell's time has it.) Every cell first runs one unrecorded warmup of c requests per temperature (auto
 learns its acceptance there, as a server would from its first requests). Requests are seeded
 and run to max_tokens, so with seed-exact sampling every cell produces the same tokens: the
 table checks that too.
@@ -95,31 +98,59 @@ def _config(spec: PolicyGridSpec, label: str, batch: int, max_model_len: int | N
                         max_model_len=max_model_len)
 
 
+class Stream:
+    """One cell's run of a stream: its engine keeps `concurrency` of the prompts in flight (a
+    finished request's place goes to the next prompt at once, as under a server's steady load;
+    the batch shrinks only at the end). Only the engine's own steps count as its time."""
+
+    def __init__(self, engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], cell: GridCell,
+                 concurrency: int, keep: bool = True) -> None:
+        self.engine, self.prompts, self.params, self.cell = engine, prompts, params, cell
+        self.concurrency, self.keep = concurrency, keep
+        self.reqs: list = []
+
+    def _refill(self) -> None:
+        running = sum(not r.finished for r in self.reqs)
+        while len(self.reqs) < len(self.prompts) and running < self.concurrency:
+            n = len(self.reqs)
+            self.reqs.append(self.engine.add_request(self.prompts[n], self.params[n]))
+            running += 1
+
+    def step(self) -> bool:
+        """One engine step (the first one submits); False once every prompt has finished, when the
+        tokens, rounds and (once) the outputs in prompt order are added to the cell."""
+        t0 = time.perf_counter()
+        self._refill()
+        if self.engine.has_unfinished:
+            self.engine.step()
+            self._refill()
+        self.cell.seconds += time.perf_counter() - t0
+        if self.engine.has_unfinished:
+            return True
+        for r in self.reqs:
+            s = r.stats
+            self.cell.tokens += len(r.output_ids)
+            self.cell.rounds += s.rounds
+            self.cell.accepted += sum(n - 1 for n in s.accept_lengths)
+            for m in s.modes:
+                self.cell.modes[m] = self.cell.modes.get(m, 0) + 1
+            if self.keep:
+                self.cell.outputs.append(list(r.output_ids))
+        return False
+
+
+def run_interleaved(streams: list[Stream]) -> None:
+    """Run the streams step by step in turn, so that whatever else slows the machine falls on
+    every cell alike, within milliseconds (not on whichever cell ran during that stretch)."""
+    active = list(streams)
+    while active:
+        active = [s for s in active if s.step()]
+
+
 def run_stream(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], cell: GridCell,
                concurrency: int, keep: bool = True) -> None:
-    """Run the prompts with `concurrency` requests in flight: a finished request's place goes to
-    the next prompt at once, as under a server's steady load (the batch shrinks only at the end).
-    Add the tokens, time and rounds to the cell (and the outputs, in prompt order, once)."""
-    t0 = time.perf_counter()
-    reqs = []
-    while len(reqs) < min(concurrency, len(prompts)):
-        reqs.append(engine.add_request(prompts[len(reqs)], params[len(reqs)]))
-    while engine.has_unfinished:
-        engine.step()
-        running = sum(not r.finished for r in reqs)
-        while len(reqs) < len(prompts) and running < concurrency:
-            reqs.append(engine.add_request(prompts[len(reqs)], params[len(reqs)]))
-            running += 1
-    cell.seconds += time.perf_counter() - t0
-    for r in reqs:
-        s = r.stats
-        cell.tokens += len(r.output_ids)
-        cell.rounds += s.rounds
-        cell.accepted += sum(n - 1 for n in s.accept_lengths)
-        for m in s.modes:
-            cell.modes[m] = cell.modes.get(m, 0) + 1
-        if keep:
-            cell.outputs.append(list(r.output_ids))
+    """One cell's stream alone (see Stream)."""
+    run_interleaved([Stream(engine, prompts, params, cell, concurrency, keep)])
 
 
 def run_policy_grid(spec: PolicyGridSpec, progress: bool = True) -> dict:
@@ -160,12 +191,12 @@ def run_policy_grid(spec: PolicyGridSpec, progress: bool = True) -> dict:
                 chunk = [ids[i % len(ids)] for i in range(start, stop)]
                 params = [SamplingParams(temperature=t, max_tokens=spec.max_tokens, seed=spec.seed + i,
                                          ignore_eos=True) for i in range(start, stop)]
-                k = w % len(labels)
-                for label in labels[k:] + labels[:k]:
-                    bar.set_postfix_str(f"T={t:g} c={c} {label}", refresh=False)
-                    cell = cells.setdefault((t, c, label), GridCell(t, c, label))
-                    run_stream(engines[c, label], chunk, params, cell, c, keep=w < len(chunks))
-                    bar.update(1)
+                k = w % len(labels)  # (which cell steps first, rotated)
+                bar.set_postfix_str(f"T={t:g} c={c} stream {w + 1}", refresh=False)
+                run_interleaved([Stream(engines[c, label], chunk, params,
+                                        cells.setdefault((t, c, label), GridCell(t, c, label)), c, keep=w < len(chunks))
+                                 for label in labels[k:] + labels[:k]])
+                bar.update(len(labels))
     bar.close()
     return {"spec": vars(spec), "cells": cells, "seconds": time.perf_counter() - started, "load_average_start": load,
             "device": str(base.device), "dtype": str(base.dtype).removeprefix("torch.")}
