@@ -55,8 +55,9 @@ EXPLORE_SHARE = 0.03  # share of round time that pays for exploration while draf
 PROBE_MIN = 0.002  # ... and where AR wins by a wide margin
 HOLD_MAX = 64  # AR rounds decided at once, at most
 AR_MARGIN = 1.03  # a drafting arm is played over AR steps only where it predicts this much more
-PROBE_PRICE = 0.25  # a probe from AR steps costs at least this share of its round: near parity
-#                     (hopeful above AR's rate) probes were free, so every other round drafted
+PROBE_PRICE = 0.25  # a probe from AR steps after one that left AR ahead costs at least this share
+#                     of its round: near parity (hopeful above AR's rate) probes were free, so every
+#                     other round drafted. The first of a stretch stays cheap: a dip recovers fast.
 STALE_WEIGHT = 8  # a drafting round after a stretch of AR steps moves the level as up to this many would
 TIME_WINDOW, TIMED = 16, 3  # timed rounds kept per (batch size, arm); how many make its seconds
 AR_ARM, CHAIN_ARM = -2, -1  # arms: AR, the chain, or a tree grid column (>= 0)
@@ -83,6 +84,7 @@ class ClassStats:
     changed: bool = True
     estimate: tuple = ()  # accepted()'s, until the next observation
     hold: tuple = (0, 0, 0.0)  # AR steps decided ahead: (rows, rounds left, credit per round)
+    probes: int = 0  # probes from AR steps since a drafting arm was last the best
 
 
 class Selector:
@@ -172,6 +174,8 @@ class Selector:
         # Drafting must beat AR steps by a margin: near parity the noise of its estimate, and the
         # held-back context its first round appends, decide.
         best = max(known, key=lambda a: known[a] * (1.0 if a == AR_ARM else 1.0 / self.margin))
+        if best != AR_ARM:
+            s.probes = 0
         # Optimism where an arm's acceptance or its seconds at this batch size rest on few rounds.
         timed = timed or {}
         hope = {a: rates[a] * (1.0 + 1.0 / np.sqrt(1.0 + self._evidence(s, a, timed.get(a, TIMED))))
@@ -200,12 +204,14 @@ class Selector:
             # runner-up, never timed at this batch size first, among equals the biggest tree.
             if best == AR_ARM:
                 cand = probe
-                price = seconds[cand] * max(PROBE_PRICE, 1.0 - hopeful / rates[AR_ARM])
+                floor = PROBE_PRICE if s.probes else 0.0
+                price = seconds[cand] * max(floor, 1.0 - hopeful / rates[AR_ARM])
             else:
                 cand = max(plausible, key=lambda a: (timed.get(a, TIMED) < TIMED, self._age(s, a), a))
                 price = max(0.0, seconds[cand] * (1.0 - rates[cand] / rates[best]))
             if (self._age(s, cand) > 1 or timed.get(cand, TIMED) < TIMED) and s.credit >= price:
                 s.credit -= price
+                s.probes += best == AR_ARM
                 return cand
             if best == AR_ARM and share > 0:
                 # Nothing changes until the credit covers that probe: hold AR steps till then.
