@@ -15,10 +15,10 @@ stream), so drift and other processes on the machine fall on all cells alike: a 
 each cell's stream back to back measured two engines doing the same work 5-20% apart. A cell's
 throughput is its output tokens over the wall time of its own steps. (Between two rounds of an
 engine the others step, so auto's round timings leave out its own work between rounds, which
-they count when an engine runs alone; the cell's time has it.) Every cell first runs one unrecorded warmup of c requests per temperature (auto
-learns its acceptance there, as a server would from its first requests). Requests are seeded
-and run to max_tokens, so with seed-exact sampling every cell produces the same tokens: the
-table checks that too.
+they count when an engine runs alone; the cell's time has it.) Every cell first runs one
+unrecorded warmup of c requests per temperature (auto learns its acceptance there, as a server
+would from its first requests). Requests are seeded and run to max_tokens, so with seed-exact
+sampling every cell produces the same tokens: the table checks that too.
 """
 
 from __future__ import annotations
