@@ -95,7 +95,7 @@ def _config(spec: PolicyGridSpec, label: str, batch: int, max_model_len: int | N
         method, budget = "ddtree", int(label.split("-")[1])
     return EngineConfig(target=spec.target, drafter=spec.drafter, method=method, budget=budget,
                         max_budget=max(spec.budgets), device=spec.device, dtype=spec.dtype, max_batch=batch,
-                        max_model_len=max_model_len)
+                        max_model_len=max_model_len, prefix_cache=False)
 
 
 class Stream:

@@ -9,7 +9,8 @@ drafter call when the request drafts again or when the ring fills. The drafter's
 length then lags the target's by the held-back count, and catches up before any draft reads it.
 
 The ring is indexed by position (position p of a slot lives at p % capacity), so parking is one
-write at positions the round already has on the device, with no counter there to keep.
+indexed copy at rows the host knows from the cache lengths (uploaded with the round's inputs),
+with no counter on the device to keep.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class DeferredContext:
                  capacity: int = CAPACITY) -> None:
         self.capacity = capacity
         self.buffer = torch.zeros(slots, capacity, features, dtype=dtype, device=device)
+        self.flat = self.buffer.view(slots * capacity, features)
         self.offsets = torch.arange(capacity, device=device)
         # Held-back tokens per slot (the runner plans with it): the positions from the drafter's
         # committed length on.
@@ -49,10 +51,14 @@ class DeferredContext:
             out.setdefault(self.counts[s], []).append(s)
         return out
 
-    def park(self, slot_list: list[int], slots: Tensor, positions: Tensor, features: Tensor) -> None:
-        """Hold one token's features [k, F] for each slot (slots and the tokens' positions [k] on
-        the device)."""
-        self.buffer[slots, positions % self.capacity] = features
+    def rows(self, slots: list[int], positions: list[int]) -> list[int]:
+        """The ring rows (of `flat`) that hold these slots' tokens at these positions."""
+        c = self.capacity
+        return [s * c + p % c for s, p in zip(slots, positions)]
+
+    def park(self, slot_list: list[int], rows: Tensor, features: Tensor) -> None:
+        """Hold one token's features [k, F] for each slot, at its ring row (rows(): [k], on the device)."""
+        self.flat.index_copy_(0, rows, features)
         for s in slot_list:
             self.counts[s] += 1
 

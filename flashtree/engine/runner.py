@@ -48,7 +48,7 @@ from flashtree.tree.value import (SPINE, accepted_by_size, depth_mass, node_kind
                                   spine_run, value_curve, walked_mass)
 
 SAVE_AFTER = 256  # rounds of online refinement after which the cost cache is rewritten (once)
-AR_REFINE_EVERY = 8  # plain AR rounds are timed into the cost model one in this many
+AR_REFINE_EVERY = 32  # plain AR rounds are timed into the cost model one in this many (0.15 ms each)
 
 
 class StageClock:
@@ -73,27 +73,32 @@ class StageClock:
 
 
 class InputStage:
-    """A round's host inputs (slots, starts, roots) staged in one fixed host buffer, pinned on
-    CUDA, and sent with one non-blocking copy into a fixed device buffer.
+    """A round's host inputs (slots, starts, roots, and with budget="auto" the rows of the
+    held-back context ring its tokens park in) staged in one fixed host buffer, pinned on CUDA,
+    and sent with one non-blocking copy into a fixed device buffer.
 
     Reusing the pinned buffer is safe: the previous round's copy finished before that round's
-    one read returned, and the next round writes it only after.
+    one read returned, and the next round writes it only after. The rows are written with one
+    numpy call: between two target forwards every host call runs on cold caches, and each one
+    counts on a small target.
     """
 
     @torch.inference_mode()  # inference tensors, like everything else a round touches
     def __init__(self, size: int, device: torch.device) -> None:
         on_cuda = device.type == "cuda"
-        self.host = torch.zeros(3, size, dtype=torch.long, pin_memory=on_cuda)
+        self.host = torch.zeros(4, size, dtype=torch.long, pin_memory=on_cuda)
         self.rows = self.host.numpy()
-        self.device = torch.empty(3, size, dtype=torch.long, device=device) if device.type != "cpu" else self.host
+        self.device = torch.empty(4, size, dtype=torch.long, device=device) if device.type != "cpu" else self.host
 
-    def upload(self, slots: list[int], starts: list[int], roots: list[int]) -> tuple[SlotBatch, Tensor]:
+    def upload(self, slots: list[int], starts: list[int], roots: list[int], ring: list[int] | None = None
+               ) -> tuple[SlotBatch, Tensor, Tensor | None]:
         n = len(slots)
-        self.rows[0, :n], self.rows[1, :n], self.rows[2, :n] = slots, starts, roots
+        k = 3 if ring is None else 4
+        self.rows[:k, :n] = (slots, starts, roots) if ring is None else (slots, starts, roots, ring)
         if self.device is not self.host:
             self.device.copy_(self.host, non_blocking=True)
         d = self.device
-        return SlotBatch(list(slots), list(starts), d[0, :n], d[1, :n]), d[2, :n]
+        return SlotBatch(list(slots), list(starts), d[0, :n], d[1, :n]), d[2, :n], d[3, :n] if ring else None
 
 
 class ModelRunner:
@@ -307,7 +312,9 @@ class ModelRunner:
             reqs = reqs + self.pads[: batch_bucket(real) - real]
         slots = [r.slot for r in reqs]
         plan = self.plan(reqs)
-        batch, roots = self.inputs.upload(slots, [self.cache.lengths[s] for s in slots], [r.bonus for r in reqs])
+        starts = [self.cache.lengths[s] for s in slots]
+        ring = self.deferred.rows(slots, starts) if self.deferred is not None and not plan.drafting else None
+        batch, roots, ring_rows = self.inputs.upload(slots, starts, [r.bonus for r in reqs], ring)
         sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device, self.sampling_inputs)
         staged, flush = self.stage(plan, reqs)
         if flush:
@@ -329,7 +336,7 @@ class ModelRunner:
         if self.drafter is not None:
             # Projecting the accepted nodes' features into drafter K/V is drafter model work.
             with self.clock.stage("draft"):
-                self.extend_context(plan, staged, batch, out.features, walk, counts, slots)
+                self.extend_context(plan, staged, batch, out.features, walk, counts, slots, ring_rows)
         self.last_plan = plan
         if self.policy is not None:
             # A round's cost includes the engine's work between rounds (emitting, scheduling):
@@ -369,7 +376,7 @@ class ModelRunner:
             if idle and len(idle) < len(slots):  # all idle: the batch's own slot tensors serve
                 longs["idle_rows"] = idle
                 longs["idle_slots"] = [slots[i] for i in idle]
-                longs["idle_starts"] = [self.cache.lengths[slots[i]] for i in idle]
+                longs["idle_ring"] = self.deferred.rows(longs["idle_slots"], [self.cache.lengths[slots[i]] for i in idle])
         if plan.learn and plan.drafting:
             cols = self.policy.curve_columns(plan)
             if cols:
@@ -553,9 +560,10 @@ class ModelRunner:
         return counts, emitted, logprobs, more
 
     def extend_context(self, plan: RoundPlan, staged: dict[str, Tensor], batch: SlotBatch, features: Tensor,
-                       walk, counts: list[int], slots: list[int]) -> None:
+                       walk, counts: list[int], slots: list[int], ring_rows: Tensor | None = None) -> None:
         """The accepted nodes' features into the drafter's context: appended now for rows that
-        drafted, held back (DeferredContext) for rows that took a plain AR step."""
+        drafted, held back (DeferredContext) for rows that took a plain AR step (ring_rows: their
+        ring rows, uploaded with the round's inputs when every row did)."""
         if plan.drafting:
             if "draft_rows" in staged:
                 rows = staged["draft_rows"]
@@ -569,10 +577,9 @@ class ModelRunner:
         if self.deferred is not None and AR in plan.modes:
             if "idle_rows" in staged:
                 idle = [slots[i] for i, m in enumerate(plan.modes) if m == AR]
-                self.deferred.park(idle, staged["idle_slots"], staged["idle_starts"],
-                                   features.index_select(0, staged["idle_rows"])[:, 0])
+                self.deferred.park(idle, staged["idle_ring"], features.index_select(0, staged["idle_rows"])[:, 0])
             else:
-                self.deferred.park(slots, batch.slots, batch.starts, features[:, 0])
+                self.deferred.park(slots, ring_rows, features[:, 0])
 
 
 BY_ARGMAX, BY_TEMPERATURE, BY_WALK = 0, 1, 2

@@ -298,14 +298,21 @@ class ArmTimes:
     def __init__(self, window: Callable[[int], int]) -> None:
         self.window = window  # arm -> the verify window it runs (nearest windows share model errors)
         self.rounds: dict[tuple[int, int], deque] = {}
-        self.median: dict[tuple[int, int], float] = {}  # kept as rounds come in, not per plan
+        self.median: dict[tuple[int, int], float] = {}
+        self.stale: set[tuple[int, int]] = set()  # keys with rounds newer than their median
 
     def record(self, rows: int, arm: int, seconds: float) -> None:
+        """Runs every round, so the median waits until a plan asks (held AR rounds ask nothing)."""
         if seconds > 0:
-            times = self.rounds.setdefault((rows, arm), deque(maxlen=TIME_WINDOW))
-            times.append(seconds)
-            if len(times) >= TIMED:  # (statistics, not np.median: this runs every round)
-                self.median[rows, arm] = statistics.median(times)
+            self.rounds.setdefault((rows, arm), deque(maxlen=TIME_WINDOW)).append(seconds)
+            self.stale.add((rows, arm))
+
+    def _update(self) -> None:
+        for key in self.stale:
+            times = self.rounds[key]
+            if len(times) >= TIMED:
+                self.median[key] = statistics.median(times)
+        self.stale.clear()
 
     def counts(self, rows: int, arms) -> dict[int, int]:
         return {a: len(self.rounds.get((rows, a), ())) for a in arms}
@@ -314,6 +321,7 @@ class ArmTimes:
         """Seconds per arm: as timed, or the cost model's scaled as the model compares with the
         timed drafting arm of the nearest window (the model's error depends on the shape: a
         global scale priced the tree of 8 a third too high on the demo pair)."""
+        self._update()
         timed = {a: self.median[rows, a] for a in modelled if (rows, a) in self.median}
         near = [a for a in timed if a != AR_ARM]
         out = {}
