@@ -314,7 +314,9 @@ class LLMEngine:
         if self.prefix is not None and req.prompt_logprobs is None:
             match = self.prefix.match(req.prompt_ids, req.slot)
         length = match.length if match is not None else 0
-        self.runner.seat(req.slot, match.source if length else None, length, match.state if length else None)
+        self.runner.admit(req)
+        length = self.runner.seat(req.slot, match.source if length else None, length,
+                                  match.state if length else None, req.speculative)
         req.num_computed = req.stats.cached_tokens = length
         req.save_state_at = match.save_at if match is not None else None
         if self.prefix is not None:

@@ -74,6 +74,9 @@ STREAK_DECAY, STREAK_PRIOR = 0.5, 1.0  # the request's recent accepted / forecas
 CHAIN_MARGIN = 1.3  # a chain row must forecast this many times the tree's accepted tokens
 RECORD_DECAY, RECORD_PRIOR = 0.97, 4.0  # chains' accepted / planned record per class: fade per round, prior
 MAX_HOLD = 64  # rounds an all-AR plan may be reused without re-planning
+PROBE_ROWS = 0.25  # share of a batch's rows a probe from AR steps drafts (at least one)
+SETTLED_LEAD = 1.3  # AR steps this many times drafting's rate: the class is settled on them (admit)
+SCOUT_EVERY = 8  # requests seated while their class is settled on AR steps: one in this many may draft
 
 
 @dataclass
@@ -124,6 +127,8 @@ def fixed_plan(rows: int, method: str, block_size: int, budget: int) -> RoundPla
 class Policy:
     def __init__(self, cost: CostModel, slots: int, block_size: int, max_budget: int, max_round_tokens: int) -> None:
         self.cost = cost
+        self.slots = slots
+        self.last_rows = 0  # the last round's batch size (admit)
         self.depth = block_size - 1
         self.grid = np.array([b for b in GRID if b < max_budget] + [max_budget])
         if self.depth not in self.grid and self.depth < max_budget:
@@ -171,6 +176,7 @@ class Policy:
         self.hold_left = 0
         self.next_probe = 0.0  # credit (seconds) the last unaffordable probe needed: a hold ends there
         self.selector = Selector(self.grid, self.depth)  # batches whose requests sample alike (selector.py)
+        self.admitted: dict[int, int] = {}  # per class, requests seated while it was settled on AR steps
         self._arms: dict[int, tuple[int, dict[int, float], dict[int, RoundPlan]]] = {}
         self.times = ArmTimes(lambda arm: 1 if arm == AR_ARM else self.depth + 1 if arm == CHAIN_ARM
                               else int(self.grid[arm]) + 1)
@@ -292,6 +298,7 @@ class Policy:
         """The selector's measured arm for a batch whose requests sample alike; the per-request
         split where they do not."""
         classes = {sampling_class(r.params) for r in reqs}
+        self.last_rows = len(reqs)
         if len(classes) == 1:
             return self._select(reqs, classes.pop())
         return self.split(reqs)
@@ -323,6 +330,9 @@ class Policy:
         if stale:
             self._refresh(stale)
         et, ec = self._curves(slots)
+        plain = [i for i, r in enumerate(reqs) if not r.speculative]
+        if plain:  # rows that may not draft gain nothing by it (and are never probed)
+            et[plain], ec[plain] = -1.0, -1.0
         cap = min(int(self.grid[-1]), self.max_round_tokens // R - 1)
         cols = int(np.searchsorted(self.grid, cap, side="right"))
         t = self._cost_tables(R)
@@ -355,21 +365,40 @@ class Policy:
                 rate = float(rates[k, j])
         plan.ar_seconds = t["ar"]
         if AR in plan.modes and self.grid[0] <= cap:
-            self._probe(plan, slots, et, ec, t, int(np.searchsorted(self.grid, cap, side="right")), rate)
+            self._probe(plan, slots, et, ec, t, int(np.searchsorted(self.grid, cap, side="right")), rate, plain)
         self.rate = rate
         self.rounds += 1
         self.idle[[slots[i] for i, m in enumerate(plan.modes) if m == AR]] += 1
         return plan
 
+    def admit(self, params) -> bool:
+        """May a request being seated ever draft? Not when its class is settled on AR steps: in
+        the batch it joins, AR steps are predicted SETTLED_LEAD times the best measured drafting
+        arm's rate. One in SCOUT_EVERY still may: the scouts' probes keep measuring the class.
+        The others cost what an `ar` engine's requests do: the drafter never sees their prompts
+        or tokens (on the demo pair at T = 1 that context was 1.5% of a stream's time at batch
+        16). They take AR steps to the end, whatever the class or the load turns to: a greedy
+        request seated under a load where AR steps win by that much stays on them if the load
+        then drops (new requests draft again)."""
+        cls = sampling_class(params)
+        rows = min(self.slots, self.last_rows + 1)
+        modelled, _ = self._arm_table(rows)
+        seconds = self.times.seconds(rows, modelled)
+        if self.selector.lead(cls, rows, seconds, seconds[AR_ARM]) < SETTLED_LEAD:
+            return True
+        self.admitted[cls] = self.admitted.get(cls, 0) + 1
+        return self.admitted[cls] % SCOUT_EVERY == 0
+
     def _select(self, reqs: list[Request], cls: int) -> RoundPlan:
         """A batch whose requests sample alike: the selector's measured arm, every row alike, as
-        the fixed method's plan (no per-row plan, and none of the split's data read back)."""
+        the fixed method's plan (no per-row plan, and none of the split's data read back). Rows
+        that may not draft (admit) take AR steps in any plan; a round without a row that may
+        asks the selector nothing."""
         R = len(reqs)
-        slots = [r.slot for r in reqs]
-        if R in self._arms and self.selector.held(cls, R):  # AR steps decided ahead
-            self.rounds += 1
+        if (R in self._arms and self.selector.held(cls, R)) or not any(r.speculative for r in reqs):
+            self.rounds += 1  # AR steps decided ahead, or nothing else possible
             self.ticks += 1
-            return self._arms[R][2][AR_ARM]
+            return self._arm_table(R)[1][AR_ARM]
         modelled, plans = self._arm_table(R)
         seconds = self.times.seconds(R, modelled)
         arm = self.selector.choose(cls, R, seconds, seconds[AR_ARM], self.times.counts(R, seconds))
@@ -379,12 +408,32 @@ class Policy:
             self.selector.idle(cls)
             self.ticks += 1
             return plan
+        rows = [i for i, r in enumerate(reqs) if r.speculative]
+        if self.selector.probing and len(rows) > PROBE_ROWS * R:
+            # A probe from AR steps measures acceptance, a per-row average: a few rows (in turn)
+            # do, at a fraction of a whole batch's drafting round and held-back context.
+            k = max(1, int(PROBE_ROWS * R))
+            start = self.rounds % len(rows)
+            rows = sorted((rows[start:] + rows[:start])[:k])
+        if len(rows) < R:
+            return self._only(plan, rows, self.selector.predicted(cls, arm), cls)
         return dataclasses.replace(plan, predicted=[self.selector.predicted(cls, arm)] * R, cls=cls)
+
+    @staticmethod
+    def _only(plan: RoundPlan, rows: list[int], predicted: float, cls: int) -> RoundPlan:
+        """The arm's plan drafting these rows only (the others take AR steps). Its round is not
+        that arm's cost at this batch size, so it is not timed (timed)."""
+        keep = set(rows)
+        mode = plan.modes[0]
+        return dataclasses.replace(plan, modes=[mode if i in keep else AR for i in range(len(plan.modes))],
+                                   draft_rows=rows, tree_rows=len(rows) if plan.tree_rows else 0,
+                                   predicted=[predicted if i in keep else 0.0 for i in range(len(plan.modes))],
+                                   cls=cls)
 
     def timed(self, plan: RoundPlan, rows: int, seconds: float) -> None:
         """A round the selector planned took `seconds` of wall time. Not kept under a frozen cost
         model (tensor parallelism): every rank must price, so plan, alike."""
-        if plan.arm is not None and not self.cost.frozen:
+        if plan.arm is not None and not self.cost.frozen and plan.drafting in (0, rows):
             self.times.record(rows, plan.arm, seconds)
 
     def _arm_table(self, R: int) -> tuple[dict[int, float], dict[int, RoundPlan]]:
@@ -482,11 +531,13 @@ class Policy:
             self.credit = min(self.credit + share * plan.seconds, max(4 * plan.seconds, 1.5 * self.next_probe))
 
     def _probe(self, plan: RoundPlan, slots: list[int], et: np.ndarray, ec: np.ndarray, t: dict, cols: int,
-               rate: float) -> None:
+               rate: float, plain: list[int]) -> None:
         """Let the AR row unobserved longest draft too, when the probe credit pays for it. A probe
         costs its extra seconds less the tokens it is expected to bring (at the plan's rate)."""
         self._earn(plan, slots)
-        idle = [i for i, m in enumerate(plan.modes) if m == AR]
+        idle = [i for i, m in enumerate(plan.modes) if m == AR and i not in plain]
+        if not idle:
+            return
         i = min(idle, key=lambda r: self.last_seen[slots[r]])
         if plan.drafting:
             j, tree = plan.column, plan.tree_rows > 0
@@ -521,6 +572,8 @@ class Policy:
 
     def _observe_arm(self, plan: RoundPlan, extras: np.ndarray | None, accepted: list[int]) -> np.ndarray | None:
         """The selector's share of a round it planned; returns the forecasts' share of extras (or None)."""
+        if len(accepted) > plan.drafting:
+            accepted = [accepted[i] for i in plan.draft_rows]
         if plan.arm == CHAIN_ARM:
             self.selector.observe(plan.cls, len(accepted), None, np.array(accepted, dtype=float))
             return extras

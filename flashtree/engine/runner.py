@@ -163,6 +163,7 @@ class ModelRunner:
         self.last_plan: RoundPlan | None = None
         self._draft_pass = 0.0
         self._last_end: float | None = None  # when the previous round returned (the engine's time between counts)
+        self.plain = [False] * slots  # per slot: its request never drafts, so its drafter rows are empty
         self.prompt_logits: dict[int, Tensor] = {}  # slot -> its complete prompt's last logits, until start_samples
         self.saved_states: dict[int, RecurrentState] = {}  # prefix reuse on a hybrid target: key -> state
 
@@ -186,23 +187,32 @@ class ModelRunner:
 
     # ---- slots and prefill ----------------------------------------------------------------
 
-    def seat(self, slot: int, source: int | None, length: int, state_key: int | None = None) -> None:
+    def admit(self, req: Request) -> None:
+        """Decide, as a request is seated, whether it may ever draft (see Policy.admit)."""
+        req.speculative = self.policy is None or self.policy.admit(req.params)
+
+    def seat(self, slot: int, source: int | None, length: int, state_key: int | None = None,
+             speculative: bool = True) -> int:
         """Start a slot empty (source None), or holding source's first `length` committed rows in
         the target and drafter caches (a shared prefix; a hybrid target also takes the recurrent
-        state saved after them under `state_key`, unless source holds exactly `length` tokens)."""
+        state saved after them under `state_key`, unless source holds exactly `length` tokens).
+        A slot that will not speculate gets no drafter rows. Returns the rows reused: none when a
+        speculative request's source never gave its drafter the prompt."""
         if self.deferred is not None:
             self.deferred.reset(slot)
-        if source is None:
+        plain, self.plain[slot] = self.plain[source] if source is not None else False, not speculative
+        if source is None or (plain and speculative):
             self.cache.set_length(slot, 0)
             if self.drafter is not None:
                 self.draft_cache.set_length(slot, 0)
-            return
+            return 0
         state = self.saved_states[state_key] if state_key is not None else None
         self.cache.copy_prefix(source, slot, length, state)
         if self.drafter is not None:
             # A shared prefix is a prompt's, and the drafter holds every prompt token (prefill
             # appends them): source's held-back tokens, its output's, lie past it.
-            self.draft_cache.copy_prefix(source, slot, length)
+            self.draft_cache.copy_prefix(source, slot, length) if speculative else self.draft_cache.set_length(slot, 0)
+        return length
 
     def save_state(self, slot: int, key: int) -> None:
         """Keep a hybrid target's recurrent state at the slot's committed length under `key` (for
@@ -228,9 +238,9 @@ class ModelRunner:
         ids = torch.tensor([req.prompt_ids[start:end]], device=self.device)
         batch = SlotBatch.of(self.cache, [req.slot])
         scored = req.prompt_logprobs is not None
-        ctx, out = self.run_prefill(ids, batch, self.key_len(batch, n), scored)
+        ctx, out = self.run_prefill(ids, batch, self.key_len(batch, n), scored, not self.plain[req.slot])
         self.cache.commit(ctx, [n])
-        if self.drafter is not None:
+        if self.drafter is not None and not self.plain[req.slot]:
             dctx = self.run_append(batch, out.features, None, self.key_len(batch, 0))
             self.draft_cache.commit(dctx, [n])
         if scored:
@@ -238,14 +248,15 @@ class ModelRunner:
         if end == len(req.prompt_ids):
             self.prompt_logits[req.slot] = out.logits[:, -1:]
 
-    def _prefill(self, ids: Tensor, batch: SlotBatch, key_len: int, all_logits: bool
+    def _prefill(self, ids: Tensor, batch: SlotBatch, key_len: int, all_logits: bool, features: bool = True
                  ) -> tuple[ForwardContext, ForwardOutput]:
         ctx = ForwardContext.prefill(self.cache, batch, ids.shape[1], key_len)
-        return ctx, self.target(ids, ctx, self.feature_layers, last_only=not all_logits)
+        return ctx, self.target(ids, ctx, self.feature_layers if features else (), last_only=not all_logits)
 
-    def _verify(self, batch: SlotBatch, spec: TreeSpec, key_len: int) -> tuple[ForwardContext, ForwardOutput]:
+    def _verify(self, batch: SlotBatch, spec: TreeSpec, key_len: int, features: bool = True
+                ) -> tuple[ForwardContext, ForwardOutput]:
         ctx = ForwardContext.verify(self.cache, batch, spec, key_len)
-        return ctx, self.target(spec.tokens.clamp(min=0), ctx, self.feature_layers)
+        return ctx, self.target(spec.tokens.clamp(min=0), ctx, self.feature_layers if features else ())
 
     def _draft(self, batch: SlotBatch, roots: Tensor, depth: int, key_len: int) -> tuple[Tensor, Tensor]:
         """Drafter hidden states and draft logits [R, depth, *] of the block [root, MASK x (L-1)]."""
@@ -287,7 +298,8 @@ class ModelRunner:
         first = reqs[0]
         n = len(first.prompt_ids)
         for r in reqs[1:]:
-            self.seat(r.slot, first.slot, n)
+            r.speculative = first.speculative
+            self.seat(r.slot, first.slot, n, speculative=first.speculative)
         x = self.prompt_logits.pop(first.slot).expand(len(reqs), -1, -1)
         sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device,
                                        self.sampling_inputs)
@@ -313,7 +325,9 @@ class ModelRunner:
         slots = [r.slot for r in reqs]
         plan = self.plan(reqs)
         starts = [self.cache.lengths[s] for s in slots]
-        ring = self.deferred.rows(slots, starts) if self.deferred is not None and not plan.drafting else None
+        parking = [r.speculative for r in reqs] if self.deferred is not None else []  # AR rows of these park
+        # An all-AR round parks every row at once (a plain row's write is never read: it holds nothing back).
+        ring = self.deferred.rows(slots, starts) if not plan.drafting and any(parking) else None
         batch, roots, ring_rows = self.inputs.upload(slots, starts, [r.bonus for r in reqs], ring)
         sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device, self.sampling_inputs)
         staged, flush = self.stage(plan, reqs)
@@ -322,13 +336,14 @@ class ModelRunner:
                 self.append_held(flush, staged)
         spec, values = self.draft(batch, roots, plan, staged)
         with self.clock.stage("verify"):
-            ctx, out = self.run_verify(batch, spec, self.key_len(batch, spec.num_nodes))
+            features = self.drafter is not None and (plan.drafting > 0 or any(parking))
+            ctx, out = self.run_verify(batch, spec, self.key_len(batch, spec.num_nodes), features)
             picks = pick(out.logits, sampling, ctx.positions + 1, spec.depth_bound + 1)
         with self.clock.stage("commit"):
             walk = self.run_walk(spec, picks)
             extras = self.round_extras(plan, values, walk, staged, out.logits, picks)
             if plan.measure:
-                extras = self.measured(plan, spec, walk, extras)
+                extras = self.measured(plan, spec, walk, extras, staged)
             scores = self.round_logprobs(out.logits, walk.path, walk.tokens, reqs, sampling)
             counts, emitted, logprobs, host_extras = self.read_round(walk.num_nodes, walk.tokens, reqs, extras, scores)
             counts, emitted, logprobs = counts[:real], emitted[:real], logprobs[:real]  # padding rows end here
@@ -368,12 +383,12 @@ class ModelRunner:
             longs["draft_starts"] = [self.cache.lengths[slots[i]] for i in rows]
         flush: dict[int, list[int]] = {}
         if self.deferred is not None:
-            idle = [i for i, m in enumerate(plan.modes) if m == AR]
+            idle = [i for i, m in enumerate(plan.modes) if m == AR and reqs[i].speculative]
             flush = self.deferred.groups(self.deferred.due([slots[i] for i in rows], [slots[i] for i in idle]))
             for n, group in flush.items():
                 longs[f"held{n}"] = group
                 longs[f"held{n}_starts"] = [self.draft_cache.lengths[s] for s in group]
-            if idle and len(idle) < len(slots):  # all idle: the batch's own slot tensors serve
+            if idle and plan.drafting:  # all AR: the round's inputs carry the ring rows
                 longs["idle_rows"] = idle
                 longs["idle_slots"] = [slots[i] for i in idle]
                 longs["idle_ring"] = self.deferred.rows(longs["idle_slots"], [self.cache.lengths[slots[i]] for i in idle])
@@ -468,12 +483,15 @@ class ModelRunner:
             out["tree"] = torch.cat([spine, branch], 1)
         return out
 
-    def measured(self, plan: RoundPlan, spec: TreeSpec, walk, extras: Tensor | None) -> Tensor:
-        """Append [R, measure + 1] for the selector, which a tree round measures exactly (see
-        selector.py): per row, the drafted tokens the top-b tree would have accepted at each grid
-        column up to the round's, and the accepted path's run along the spine."""
+    def measured(self, plan: RoundPlan, spec: TreeSpec, walk, extras: Tensor | None, staged: dict[str, Tensor]
+                 ) -> Tensor:
+        """Append [drafting, measure + 1] for the selector, which a tree round measures exactly
+        (see selector.py): per drafted row, the drafted tokens the top-b tree would have accepted
+        at each grid column up to the round's, and the accepted path's run along the spine."""
         tree = accepted_by_size(spec, walk.path).index_select(1, self.grid_cols[: plan.measure])
         m = torch.cat([tree, spine_run(spec, walk.path)[:, None].float()], 1)
+        if "draft_rows" in staged:
+            m = m.index_select(0, staged["draft_rows"])
         return m if extras is None else torch.cat([extras, m.to(extras.dtype)], 1)
 
     def round_extras(self, plan: RoundPlan, values: dict | None, walk, staged: dict[str, Tensor], logits: Tensor,
@@ -576,10 +594,10 @@ class ModelRunner:
             self.draft_cache.commit(dctx, kept)  # rows past len(kept) pad the batch: dropped
         if self.deferred is not None and AR in plan.modes:
             if "idle_rows" in staged:
-                idle = [slots[i] for i, m in enumerate(plan.modes) if m == AR]
+                idle = [slots[i] for i, m in enumerate(plan.modes) if m == AR and not self.plain[slots[i]]]
                 self.deferred.park(idle, staged["idle_ring"], features.index_select(0, staged["idle_rows"])[:, 0])
-            else:
-                self.deferred.park(slots, ring_rows, features[:, 0])
+            elif ring_rows is not None:
+                self.deferred.park([s for s in slots if not self.plain[s]], ring_rows, features[:, 0])
 
 
 BY_ARGMAX, BY_TEMPERATURE, BY_WALK = 0, 1, 2

@@ -93,6 +93,7 @@ class Selector:
         self.depth = depth
         self.stats: dict[int, ClassStats] = {}
         self.margin = AR_MARGIN
+        self.probing = False
         # The tree column of the chain's size (or the largest): the chain's estimate leans on it.
         self.chain_twin = min(int(np.searchsorted(grid, depth)), len(grid) - 1)
 
@@ -157,6 +158,7 @@ class Selector:
         """The arm to play: AR_ARM, CHAIN_ARM or a tree column.
         timed: rounds behind each arm's seconds at this batch size (modelled ones: 0)."""
         s = self._class(cls)
+        self.probing = False  # set when the arm returned is a probe from AR steps
         drafting = [a for a in seconds if a != AR_ARM]
         if not drafting:
             return AR_ARM
@@ -212,12 +214,25 @@ class Selector:
             if (self._age(s, cand) > 1 or timed.get(cand, TIMED) < TIMED) and s.credit >= price:
                 s.credit -= price
                 s.probes += best == AR_ARM
+                self.probing = best == AR_ARM
                 return cand
             if best == AR_ARM and share > 0:
                 # Nothing changes until the credit covers that probe: hold AR steps till then.
                 per_round = share * seconds[AR_ARM]
                 s.hold = (rows, min(HOLD_MAX, int(np.ceil((price - s.credit) / per_round))) - 1, per_round)
         return best
+
+    def lead(self, cls: int, rows: int, seconds: dict[int, float], ar_seconds: float) -> float:
+        """AR's predicted rate over the best measured drafting arm's at these prices (0 while the
+        class has too little evidence): Policy.admit asks it at batch size 1."""
+        s = self.stats.get(cls)
+        if s is None or s.rounds < COLD_ROUNDS:
+            return 0.0
+        rates = self.rates(cls, rows, seconds, ar_seconds)
+        chain_seen = self._seen(s, CHAIN_ARM) + self._seen(s, self.chain_twin)
+        drafts = [r for a, r in rates.items()
+                  if a != AR_ARM and (chain_seen if a == CHAIN_ARM else self._seen(s, a)) >= KNOWN]
+        return rates[AR_ARM] / max(drafts) if drafts else 0.0
 
     def held(self, cls: int, rows: int) -> bool:
         """Another AR round of a hold (see choose): nothing to compute, the credit accrues."""

@@ -92,6 +92,9 @@ class Request:
     bonus: int = -1  # the next round's root: sampled by the target, not yet in the cache (-1 before the first)
     num_computed: int = 0  # prompt tokens whose K/V the slot holds (prefilled, copied or reused)
     save_state_at: int | None = None  # hybrid prefix reuse: a prefill chunk ends here to save the state
+    # False: seated (budget="auto") while its sampling class was settled on AR steps, so it only
+    # takes AR steps and the drafter never sees it: no prompt context, no held-back tokens.
+    speculative: bool = True
     text: str = ""
     prefix_offset: int = 0  # incremental detokenization window: ids[prefix_offset:read_offset]
     read_offset: int = 0  # was decoded last round
