@@ -396,6 +396,95 @@ def test_ar_when_acceptance_collapses(tmp_path, monkeypatch):
     assert modes.count("ar") / len(modes) > 0.8
 
 
+def test_settled_class_seats_requests_the_drafter_never_sees(tmp_path, monkeypatch):
+    """Once a class is settled on AR steps (a drafter wrong by construction, a synthetic cost
+    model where drafting loses), new requests are seated plain: the drafter gets none of their
+    prompt or tokens and no round drafts them, their rows in the held-back ring stay empty, one
+    in SCOUT_EVERY still may draft, and every output equals AR's."""
+    from flashtree.engine.policy import SCOUT_EVERY
+
+    target = make_target(tmp_path / "t", vocab=64, logit_scale=6.0)
+    drafter = make_drafter(tmp_path / "d", target_layers=4, vocab=64, block_size=8, seed=7)
+    prompts = [[i, i + 1, i + 2] for i in range(1, 25)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = LLM(str(target), None, method="ar", device="cpu", max_model_len=96).generate(prompts, params)
+    engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", max_model_len=96,
+                                    max_batch=2, max_budget=32))
+    runner = engine.runner
+    runner.policy.cost = _cost(2e-3, rows=2)
+    monkeypatch.setattr(CostModel, "refine", lambda *a, **k: None)
+    monkeypatch.setattr(Policy, "timed", lambda *a, **k: None)
+    plain_slots: set[int] = set()
+    context_slots: list[int] = []
+    add_context = runner.drafter.add_context
+    runner.drafter.add_context = lambda ctx, f: (context_slots.extend(ctx.slots.tolist()), add_context(ctx, f))[1]
+    drafted: list[Request] = []
+    step = runner.step
+
+    def counted(batch):
+        out = step(batch)
+        drafted.extend(batch[i] for i in runner.last_plan.draft_rows)
+        return out
+
+    runner.step = counted
+    reqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished:
+        before = len(context_slots)
+        engine.step()
+        plain_slots = {r.slot for r in reqs if not r.speculative and not r.finished and r.num_computed}
+        assert not plain_slots & set(context_slots[before:])
+        assert all(runner.draft_cache.lengths[s] == 0 and runner.deferred.counts[s] == 0 for s in plain_slots)
+    assert all(r.speculative for r in drafted)
+    assert [r.output_ids for r in reqs] == [o.token_ids for o in ref]
+    plain = [r for r in reqs if not r.speculative]
+    assert len(plain) >= len(prompts) // 2  # most, once the class has settled
+    assert all(set(r.stats.modes) == {"ar"} for r in plain)
+    late = reqs[len(reqs) - SCOUT_EVERY * 2:]
+    assert 1 <= sum(r.speculative for r in late) <= 3  # the scouts
+
+
+def test_plain_and_speculative_requests_share_prefixes_only_where_the_drafter_has_them(tmp_path, monkeypatch):
+    """A plain request seated on a speculative one's prompt reuses its target rows and takes no
+    drafter rows; a speculative request on a plain one's prompt reuses nothing (the drafter never
+    saw it) and prefills it whole. Outputs equal AR's, and the speculative one's drafter cache
+    equals a fresh prefill of its text."""
+    target = make_target(tmp_path / "t", vocab=32, logit_scale=3.0)
+    drafter = make_drafter(tmp_path / "d", target_layers=4, vocab=32, block_size=6)
+    cfg = dict(target=str(target), device="cpu", dtype="float64", max_model_len=96, max_batch=1)
+    engine = LLMEngine(EngineConfig(drafter=str(drafter), max_budget=8, **cfg))
+    runner = engine.runner
+    wanted = iter([True, False, True])
+    monkeypatch.setattr(runner.policy, "admit", lambda params: next(wanted))
+    prompt = list(range(1, 12))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    ar = LLMEngine(EngineConfig(drafter=None, method="ar", **cfg))
+    ref = ar.add_request(prompt, params)
+    while ar.has_unfinished:
+        ar.step()
+    done, drafter_rows = [], []
+    for _ in range(3):
+        req = engine.add_request(prompt, params)
+        while engine.has_unfinished:
+            engine.step()
+        done.append(req)
+        drafter_rows.append(runner.draft_cache.lengths[req.slot] + runner.deferred.counts[req.slot])
+    first, plain, again = done
+    assert [r.speculative for r in done] == [True, False, True]
+    assert plain.stats.cached_tokens == len(prompt) - 1
+    assert again.stats.cached_tokens == 0 and drafter_rows[1] == 0
+    assert all(r.output_ids == ref.output_ids for r in done)
+    text = prompt + again.output_ids[:-1]
+    n = runner.draft_cache.lengths[again.slot] + runner.deferred.counts[again.slot]
+    assert n == len(text) == runner.cache.lengths[again.slot]
+    fresh = LLMEngine(EngineConfig(drafter=str(drafter), budget=4, **cfg))
+    fresh.runner.seat(0, None, 0)
+    fresh.runner.prefill(Request(text, SamplingParams(), slot=0), len(text))
+    m = runner.draft_cache.lengths[again.slot]
+    for layer in range(runner.draft_cache.k.shape[0]):
+        assert torch.allclose(runner.draft_cache.k[layer, again.slot, :m], fresh.runner.draft_cache.k[layer, 0, :m],
+                              atol=1e-9)
+
+
 def test_deferred_context_equals_full_prefill(tmp_path):
     """A request alternating AR steps (its drafter context held back) and drafts ends with the same
     drafter cache as a single prefill of its whole text would give (float64)."""
