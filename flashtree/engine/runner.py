@@ -49,6 +49,7 @@ from flashtree.tree.value import (SPINE, accepted_by_size, depth_mass, node_kind
 
 SAVE_AFTER = 256  # rounds of online refinement after which the cost cache is rewritten (once)
 AR_REFINE_EVERY = 32  # plain AR rounds are timed into the cost model one in this many (0.15 ms each)
+DRAFT_REFINE_EVERY = 4  # ... and drafting rounds
 
 
 class StageClock:
@@ -529,8 +530,8 @@ class ModelRunner:
     def learn(self, plan: RoundPlan, slots: list[int], counts: list[int], extras, seconds: float) -> None:
         self.policy.observe(plan, slots, extras, [c - 1 for c in counts])
         self.policy.timed(plan, len(slots), seconds)
-        if not plan.drafting and self.policy.rounds % AR_REFINE_EVERY:
-            return  # AR rounds repeat one shape: a sample of them keeps the model current
+        if self.policy.rounds % (DRAFT_REFINE_EVERY if plan.drafting else AR_REFINE_EVERY):
+            return  # a sample of the rounds keeps the model current (timed arms are priced as timed)
         s = self.clock.seconds
         stages = {"verify": s.get("verify", 0.0), "draft_pass": self._draft_pass, "tree": s.get("tree", 0.0)}
         cost = self.policy.cost

@@ -72,10 +72,10 @@ class ClassStats:
     its base. seen: rounds of evidence per arm; measured_at: the class's round (its clock) when
     each arm was last measured, so an arm's age is clock - measured_at (an AR round only ticks)."""
 
-    num: np.ndarray
-    den: np.ndarray
-    seen: np.ndarray
-    measured_at: np.ndarray
+    num: list[float]  # (lists, not arrays: a drafting round reads and writes single entries, and
+    den: list[float]  #  on a small target each numpy call between two forwards costs ~10 us)
+    seen: list[float]
+    measured_at: list[float]
     clock: int = 0  # rounds of this class, AR steps included
     level: float = 0.0
     gap: int = 1  # rounds since the last drafting round, this one included
@@ -100,42 +100,44 @@ class Selector:
     def _class(self, cls: int) -> ClassStats:
         if cls not in self.stats:
             n = len(self.grid) + 1
-            self.stats[cls] = ClassStats(np.zeros(n), np.zeros(n), np.zeros(n), np.full(n, -np.inf))
+            self.stats[cls] = ClassStats([0.0] * n, [0.0] * n, [0.0] * n, [-math.inf] * n)
         return self.stats[cls]
 
     # ---- estimates ---------------------------------------------------------------------------
 
-    def accepted(self, cls: int) -> tuple[np.ndarray, float]:
+    def accepted(self, cls: int) -> tuple[list[float], float]:
         """Expected drafted tokens accepted per row: [G] per tree column, and the chain's, as
         shape x level. Tree columns never measured extend the largest measured one by its last
         increment, in shrinking steps; a bigger tree never accepts less. The chain's estimate
-        leans on the tree of its size until its own rounds add up (CHAIN_PRIOR)."""
+        leans on the tree of its size until its own rounds add up (CHAIN_PRIOR). (Plain floats:
+        G is about a dozen, and this runs in every drafting round.)"""
         s = self._class(cls)
         G = len(self.grid)
-        shape = (s.num + SHAPE_PRIOR) / (s.den + SHAPE_PRIOR)
-        tree = shape[:G] * s.level
-        seen = s.seen[:G] > 0
-        last = np.flatnonzero(seen)
-        if len(last) == 0:
-            tree[:] = 0.0
+        shape = [(n + SHAPE_PRIOR) / (d + SHAPE_PRIOR) for n, d in zip(s.num, s.den)]
+        seen = [j for j in range(G) if s.seen[j] > 0]
+        if not seen:
+            tree = [0.0] * G
         else:
-            j = int(last[-1])
+            tree = [x * s.level for x in shape[:G]]
+            j = seen[-1]
             step = tree[j] - (tree[j - 1] if j > 0 else 0.0)
             for k in range(j + 1, G):
                 step *= 0.7
                 tree[k] = tree[k - 1] + max(step, 0.0)
-            tree = np.maximum.accumulate(np.minimum(tree, self.depth))
+            top = -math.inf
+            for k in range(G):
+                top = tree[k] = max(top, min(tree[k], self.depth))
         # The chain is measured only by its own rounds, one round is a noisy sample (0 to depth
         # tokens), so its first few lean on the tree of its size.
-        like = float(tree[self.chain_twin])
+        like = tree[self.chain_twin]
         w = s.seen[G] / (s.seen[G] + CHAIN_PRIOR)
-        chain = w * float(min(shape[G] * s.level, self.depth)) + (1.0 - w) * like
+        chain = w * min(shape[G] * s.level, self.depth) + (1.0 - w) * like
         return tree, chain
 
     def chain_column(self) -> int:
         return int(np.searchsorted(self.grid, self.depth))
 
-    def _estimate(self, cls: int) -> tuple[np.ndarray, float]:
+    def _estimate(self, cls: int) -> tuple[list[float], float]:
         """accepted(cls), recomputed only after an observation."""
         s = self._class(cls)
         if s.changed:
@@ -148,7 +150,7 @@ class Selector:
         out = {AR_ARM: rows / ar_seconds}
         for arm, sec in seconds.items():
             if arm != AR_ARM:
-                out[arm] = rows * (1.0 + (chain if arm == CHAIN_ARM else float(tree[arm]))) / sec
+                out[arm] = rows * (1.0 + (chain if arm == CHAIN_ARM else tree[arm])) / sec
         return out
 
     # ---- the choice --------------------------------------------------------------------------
@@ -180,14 +182,14 @@ class Selector:
             s.probes = 0
         # Optimism where an arm's acceptance or its seconds at this batch size rest on few rounds.
         timed = timed or {}
-        hope = {a: rates[a] * (1.0 + 1.0 / np.sqrt(1.0 + self._evidence(s, a, timed.get(a, TIMED))))
+        hope = {a: rates[a] * (1.0 + 1.0 / math.sqrt(1.0 + self._evidence(s, a, timed.get(a, TIMED))))
                 for a in drafting}
         share = EXPLORE_SHARE
         # From AR steps the probe is the best drafting arm, hopeful only where its acceptance rests
         # on few rounds: its seconds are new at every batch size a draining batch passes through,
         # and counting that would make every such round a free probe.
         probe = max(drafting, key=rates.get)
-        hopeful = rates[probe] * (1.0 + 1.0 / np.sqrt(1.0 + self._seen(s, probe)))
+        hopeful = rates[probe] * (1.0 + 1.0 / math.sqrt(1.0 + self._seen(s, probe)))
         if best == AR_ARM:  # exploration shrinks with how far that arm trails, hopefully
             top = hopeful / rates[AR_ARM]
             share = PROBE_MIN + (EXPLORE_SHARE - PROBE_MIN) * min(1.0, max(0.0, (top - 0.6) / 0.4)) ** 2
@@ -219,7 +221,7 @@ class Selector:
             if best == AR_ARM and share > 0:
                 # Nothing changes until the credit covers that probe: hold AR steps till then.
                 per_round = share * seconds[AR_ARM]
-                s.hold = (rows, min(HOLD_MAX, int(np.ceil((price - s.credit) / per_round))) - 1, per_round)
+                s.hold = (rows, min(HOLD_MAX, math.ceil((price - s.credit) / per_round)) - 1, per_round)
         return best
 
     def lead(self, cls: int, rows: int, seconds: dict[int, float], ar_seconds: float) -> float:
@@ -260,7 +262,7 @@ class Selector:
         if arm == AR_ARM:
             return 0.0
         tree, chain = self._estimate(cls)
-        return chain if arm == CHAIN_ARM else float(tree[arm])
+        return chain if arm == CHAIN_ARM else tree[arm]
 
     # ---- learning ----------------------------------------------------------------------------
 
@@ -275,8 +277,8 @@ class Selector:
         s.rounds += 1
         s.changed = True
         s.hold = (0, 0, 0.0)
-        base = np.minimum(run, BASE_DEPTH)
-        b = float(base.mean())
+        run = run.tolist()
+        b = sum(min(r, BASE_DEPTH) for r in run) / len(run)
         # After a stretch of AR steps the level is stale: this round's news counts for the rounds
         # missed (up to STALE_WEIGHT), or one probe would hardly move a level that fell in a
         # cold stretch, and the class would stay on AR steps long after the stretch ended.
@@ -284,19 +286,21 @@ class Selector:
         s.level = b if s.rounds == 1 else s.level + weight * (b - s.level)
         s.gap = 1
         if tree is not None and tree.size:
-            cols = tree.shape[1]
-            self._fold(s, slice(0, cols), tree.mean(0), b, rows)
+            self._fold(s, 0, tree.mean(0).tolist(), b, rows)
         else:
-            self._fold(s, slice(G, G + 1), np.array([float(run.mean())]), b, rows)
+            self._fold(s, G, [sum(run) / len(run)], b, rows)
 
     @staticmethod
-    def _fold(s: ClassStats, where: slice, x: np.ndarray, base: float, rows: int) -> None:
-        n = s.seen[where]
-        weight = np.maximum(1.0 - (1.0 - SHAPE_RATE) ** rows, 1.0 / (n + 1))
-        s.num[where] += weight * (x - s.num[where])
-        s.den[where] += weight * (base - s.den[where])
-        s.seen[where] = n + 1
-        s.measured_at[where] = s.clock
+    def _fold(s: ClassStats, first: int, xs: list[float], base: float, rows: int) -> None:
+        """Entries first.. take the round's accepted tokens xs and its base."""
+        step = 1.0 - (1.0 - SHAPE_RATE) ** rows
+        for i, x in enumerate(xs, first):
+            n = s.seen[i]
+            w = max(step, 1.0 / (n + 1))
+            s.num[i] += w * (x - s.num[i])
+            s.den[i] += w * (base - s.den[i])
+            s.seen[i] = n + 1
+            s.measured_at[i] = s.clock
 
     def idle(self, cls: int) -> None:
         """A round of AR steps for this class: its information ages."""
@@ -315,6 +319,7 @@ class ArmTimes:
         self.rounds: dict[tuple[int, int], deque] = {}
         self.median: dict[tuple[int, int], float] = {}
         self.stale: set[tuple[int, int]] = set()  # keys with rounds newer than their median
+        self._near: dict[tuple[int, int], list[int]] = {}
 
     def record(self, rows: int, arm: int, seconds: float) -> None:
         """Runs every round, so the median waits until a plan asks (held AR rounds ask nothing)."""
@@ -338,13 +343,24 @@ class ArmTimes:
         global scale priced the tree of 8 a third too high on the demo pair)."""
         self._update()
         timed = {a: self.median[rows, a] for a in modelled if (rows, a) in self.median}
-        near = [a for a in timed if a != AR_ARM]
+        if not any(a != AR_ARM for a in timed):
+            return {a: timed.get(a, m) for a, m in modelled.items()}
         out = {}
-        for a in modelled:
-            if a in timed or not near:
-                out[a] = timed.get(a, modelled[a])
+        arms = tuple(modelled)
+        for a, m in modelled.items():
+            if a in timed:
+                out[a] = timed[a]
             else:
-                b = min(near, key=lambda x: abs(math.log(self.window(x) / self.window(a))))
-                out[a] = modelled[a] * timed[b] / modelled[b]
+                b = next(x for x in self._nearest(a, arms) if x in timed)
+                out[a] = m * timed[b] / modelled[b]
         return out
+
+    def _nearest(self, arm: int, arms: tuple[int, ...]) -> list[int]:
+        """The drafting arms by how near their window is to arm's (sorted once per arm set)."""
+        key = (arm, arms)
+        if key not in self._near:
+            w = self.window(arm)
+            self._near[key] = sorted((a for a in arms if a != AR_ARM),
+                                     key=lambda x: abs(math.log(self.window(x) / w)))
+        return self._near[key]
 
