@@ -212,7 +212,10 @@ class ModelRunner:
         if self.drafter is not None:
             # A shared prefix is a prompt's, and the drafter holds every prompt token (prefill
             # appends them): source's held-back tokens, its output's, lie past it.
-            self.draft_cache.copy_prefix(source, slot, length) if speculative else self.draft_cache.set_length(slot, 0)
+            if speculative:
+                self.draft_cache.copy_prefix(source, slot, length)
+            else:
+                self.draft_cache.set_length(slot, 0)
         return length
 
     def save_state(self, slot: int, key: int) -> None:

@@ -93,6 +93,8 @@ class Selector:
         self.depth = depth
         self.stats: dict[int, ClassStats] = {}
         self.margin = AR_MARGIN
+        self.explore_share = EXPLORE_SHARE
+        self.wide_cost = COLD_COST
         self.probing = False
         # The tree column of the chain's size (or the largest): the chain's estimate leans on it.
         self.chain_twin = min(int(np.searchsorted(grid, depth)), len(grid) - 1)
@@ -184,7 +186,7 @@ class Selector:
         timed = timed or {}
         hope = {a: rates[a] * (1.0 + 1.0 / math.sqrt(1.0 + self._evidence(s, a, timed.get(a, TIMED))))
                 for a in drafting}
-        share = EXPLORE_SHARE
+        share = self.explore_share
         # From AR steps the probe is the best drafting arm, hopeful only where its acceptance rests
         # on few rounds: its seconds are new at every batch size a draining batch passes through,
         # and counting that would make every such round a free probe.
@@ -192,14 +194,14 @@ class Selector:
         hopeful = rates[probe] * (1.0 + 1.0 / math.sqrt(1.0 + self._seen(s, probe)))
         if best == AR_ARM:  # exploration shrinks with how far that arm trails, hopefully
             top = hopeful / rates[AR_ARM]
-            share = PROBE_MIN + (EXPLORE_SHARE - PROBE_MIN) * min(1.0, max(0.0, (top - 0.6) / 0.4)) ** 2
+            share = PROBE_MIN + (self.explore_share - PROBE_MIN) * min(1.0, max(0.0, (top - 0.6) / 0.4)) ** 2
         s.credit = min(s.credit + share * seconds.get(best, ar_seconds), 8.0 * max(seconds.values()))
         # Candidates: the next two drafting arms by hope, and the biggest tree that costs at most
         # COLD_COST times the best's round (it measures every smaller tree too); the stalest of
         # them is played, so no estimate goes unrefreshed for long.
         ranked = sorted((a for a in drafting if a != best), key=hope.get, reverse=True)
         plausible = ranked[:2]
-        wide = [a for a in drafting if a >= 0 and seconds[a] <= COLD_COST * seconds[best]]
+        wide = [a for a in drafting if a >= 0 and seconds[a] <= self.wide_cost * seconds[best]]
         if wide and best != AR_ARM and max(wide) != best:
             plausible.append(max(wide))
         if plausible:
