@@ -19,9 +19,9 @@ they count when an engine runs alone; the cell's time has it.) Every cell first 
 unrecorded stream per temperature, like the measured ones: the grid measures steady serving.
 Auto learns there what a server learns from its first requests (acceptance per sampling class,
 each arm's round time at each batch size); with warmups of c short requests and a fresh cost
-cache, its first measured pass at T = 0 ran up to 8% below its second. The engines run without the prefix cache: the prompts
-repeat across streams, and how often a slot still held one would depend on each method's
-finishing order. Requests are seeded and run to max_tokens, so with seed-exact sampling every
+cache, its first measured pass at T = 0 ran up to 8% below its second. The engines run
+without the prefix cache: the prompts repeat across streams, and how often a slot still held
+one would depend on each method's finishing order. Requests are seeded and run to max_tokens, so with seed-exact sampling every
 cell produces the same tokens: the table checks that too.
 """
 

@@ -395,7 +395,8 @@ class ModelRunner:
             if idle and plan.drafting:  # all AR: the round's inputs carry the ring rows
                 longs["idle_rows"] = idle
                 longs["idle_slots"] = [slots[i] for i in idle]
-                longs["idle_ring"] = self.deferred.rows(longs["idle_slots"], [self.cache.lengths[slots[i]] for i in idle])
+                starts = [self.cache.lengths[slots[i]] for i in idle]
+                longs["idle_ring"] = self.deferred.rows(longs["idle_slots"], starts)
         if plan.learn and plan.drafting:
             cols = self.policy.curve_columns(plan)
             if cols:

@@ -228,7 +228,7 @@ class Selector:
 
     def lead(self, cls: int, rows: int, seconds: dict[int, float], ar_seconds: float) -> float:
         """AR's predicted rate over the best measured drafting arm's at these prices (0 while the
-        class has too little evidence): Policy.admit asks it at batch size 1."""
+        class has too little evidence): Policy.admit asks it for the batch a request joins."""
         s = self.stats.get(cls)
         if s is None or s.rounds < COLD_ROUNDS:
             return 0.0
@@ -321,7 +321,7 @@ class ArmTimes:
         self.rounds: dict[tuple[int, int], deque] = {}
         self.median: dict[tuple[int, int], float] = {}
         self.stale: set[tuple[int, int]] = set()  # keys with rounds newer than their median
-        self._near: dict[tuple[int, int], list[int]] = {}
+        self._near: dict[tuple[int, tuple[int, ...]], list[int]] = {}
 
     def record(self, rows: int, arm: int, seconds: float) -> None:
         """Runs every round, so the median waits until a plan asks (held AR rounds ask nothing)."""
