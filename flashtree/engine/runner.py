@@ -387,7 +387,7 @@ class ModelRunner:
             longs["draft_starts"] = [self.cache.lengths[slots[i]] for i in rows]
         flush: dict[int, list[int]] = {}
         if self.deferred is not None:
-            idle = [i for i, m in enumerate(plan.modes) if m == AR and reqs[i].speculative]
+            idle = [i for i, m in enumerate(plan.modes) if m == AR and not self.plain[slots[i]]]
             flush = self.deferred.groups(self.deferred.due([slots[i] for i in rows], [slots[i] for i in idle]))
             for n, group in flush.items():
                 longs[f"held{n}"] = group

@@ -173,10 +173,7 @@ class Selector:
                 return max(trees)
             return min(drafting, key=lambda a: seconds[a])
         rates = self.rates(cls, rows, seconds, ar_seconds)
-        # (The chain's estimate leans on its twin tree: their rounds count alike here.)
-        chain_seen = self._seen(s, CHAIN_ARM) + self._seen(s, self.chain_twin)
-        known = {a: r for a, r in rates.items()
-                 if a == AR_ARM or (chain_seen if a == CHAIN_ARM else self._seen(s, a)) >= KNOWN}
+        known = self._known(s, rates)
         # Drafting must beat AR steps by a margin: near parity the noise of its estimate, and the
         # held-back context its first round appends, decide.
         best = max(known, key=lambda a: known[a] * (1.0 if a == AR_ARM else 1.0 / self.margin))
@@ -233,10 +230,15 @@ class Selector:
         if s is None or s.rounds < COLD_ROUNDS:
             return 0.0
         rates = self.rates(cls, rows, seconds, ar_seconds)
-        chain_seen = self._seen(s, CHAIN_ARM) + self._seen(s, self.chain_twin)
-        drafts = [r for a, r in rates.items()
-                  if a != AR_ARM and (chain_seen if a == CHAIN_ARM else self._seen(s, a)) >= KNOWN]
+        drafts = [r for a, r in self._known(s, rates).items() if a != AR_ARM]
         return rates[AR_ARM] / max(drafts) if drafts else 0.0
+
+    def _known(self, s: ClassStats, rates: dict[int, float]) -> dict[int, float]:
+        """The rates whose estimates rest on KNOWN rounds or more (AR's always). The chain's
+        estimate leans on its twin tree, so their rounds count alike."""
+        chain_seen = self._seen(s, CHAIN_ARM) + self._seen(s, self.chain_twin)
+        return {a: r for a, r in rates.items()
+                if a == AR_ARM or (chain_seen if a == CHAIN_ARM else self._seen(s, a)) >= KNOWN}
 
     def held(self, cls: int, rows: int) -> bool:
         """Another AR round of a hold (see choose): nothing to compute, the credit accrues."""
