@@ -21,8 +21,8 @@ Auto learns there what a server learns from its first requests (acceptance per s
 each arm's round time at each batch size); with warmups of c short requests and a fresh cost
 cache, its first measured pass at T = 0 ran up to 8% below its second. The engines run
 without the prefix cache: the prompts repeat across streams, and how often a slot still held
-one would depend on each method's finishing order. Requests are seeded and run to max_tokens, so with seed-exact sampling every
-cell produces the same tokens: the table checks that too.
+one would depend on each method's finishing order. Requests are seeded and run to max_tokens,
+so with seed-exact sampling every cell produces the same tokens: the table checks that too.
 """
 
 from __future__ import annotations
