@@ -314,7 +314,8 @@ class LLMEngine:
         if self.prefix is not None and req.prompt_logprobs is None:
             match = self.prefix.match(req.prompt_ids, req.slot)
         length = match.length if match is not None else 0
-        self.runner.admit(req)
+        # Seated requests are all running now: a burst on an idle engine joins one batch.
+        self.runner.admit(req, len(self.scheduler.running))
         length = self.runner.seat(req.slot, match.source if length else None, length,
                                   match.state if length else None, req.speculative)
         req.num_computed = req.stats.cached_tokens = length

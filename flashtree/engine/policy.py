@@ -75,7 +75,7 @@ CHAIN_MARGIN = 1.3  # a chain row must forecast this many times the tree's accep
 RECORD_DECAY, RECORD_PRIOR = 0.97, 4.0  # chains' accepted / planned record per class: fade per round, prior
 MAX_HOLD = 64  # rounds an all-AR plan may be reused without re-planning
 PROBE_ROWS = 0.25  # share of a batch's rows a probe from AR steps drafts (at least one)
-SETTLED_LEAD = 1.3  # AR steps this many times drafting's rate: the class is settled on them (admit)
+SETTLED_LEAD = 1.0  # AR steps predicted to beat every drafting arm: the class is settled on them (admit)
 SCOUT_EVERY = 8  # requests seated while their class is settled on AR steps: one in this many may draft
 
 
@@ -128,7 +128,6 @@ class Policy:
     def __init__(self, cost: CostModel, slots: int, block_size: int, max_budget: int, max_round_tokens: int) -> None:
         self.cost = cost
         self.slots = slots
-        self.last_rows = 0  # the last round's batch size (admit)
         self.depth = block_size - 1
         self.grid = np.array([b for b in GRID if b < max_budget] + [max_budget])
         if self.depth not in self.grid and self.depth < max_budget:
@@ -299,7 +298,6 @@ class Policy:
         """The selector's measured arm for a batch whose requests sample alike; the per-request
         split where they do not."""
         classes = {sampling_class(r.params) for r in reqs}
-        self.last_rows = len(reqs)
         if len(classes) == 1:
             return self._select(reqs, classes.pop())
         return self.split(reqs)
@@ -372,17 +370,19 @@ class Policy:
         self.idle[[slots[i] for i, m in enumerate(plan.modes) if m == AR]] += 1
         return plan
 
-    def admit(self, params) -> bool:
+    def admit(self, params, rows: int) -> bool:
         """May a request being seated ever draft? Not when its class is settled on AR steps: in
-        the batch it joins, AR steps are predicted SETTLED_LEAD times the best measured drafting
-        arm's rate. One in SCOUT_EVERY still may: the scouts' probes keep measuring the class.
-        The others cost what an `ar` engine's requests do: the drafter never sees their prompts
-        or tokens (on the demo pair at T = 1 that context was 1.5% of a stream's time at batch
-        16). They take AR steps to the end, whatever the class or the load turns to: a greedy
-        request seated under a load where AR steps win by that much stays on them if the load
-        then drops (new requests draft again)."""
+        the batch it joins (rows, itself included: a burst on an idle engine is one batch), AR
+        steps are predicted to beat the best measured drafting arm (SETTLED_LEAD). One in
+        SCOUT_EVERY still may: the scouts' probes keep measuring the class. The others cost what
+        an `ar` engine's requests do: the drafter never sees their prompts or tokens. A
+        speculative request there would take AR steps too, paying its prompt's drafter context
+        and its tokens' features for nothing (on the demo pair at T = 0, c = 16, where AR leads
+        drafting by 5-15%, that was 2-5% of a stream's time). They take AR steps to the end,
+        whatever the class or the load turns to: a greedy request seated under such a load stays
+        on them if the load then drops (new requests draft again)."""
         cls = sampling_class(params)
-        rows = min(self.slots, self.last_rows + 1)
+        rows = max(1, min(self.slots, rows))
         modelled, _ = self._arm_table(rows)
         seconds = self.times.seconds(rows, modelled)
         if self.selector.lead(cls, rows, seconds, seconds[AR_ARM]) < SETTLED_LEAD:
@@ -402,14 +402,18 @@ class Policy:
             return self._arm_table(R)[1][AR_ARM]
         modelled, plans = self._arm_table(R)
         seconds = self.times.seconds(R, modelled)
-        arm = self.selector.choose(cls, R, seconds, seconds[AR_ARM], self.times.counts(R, seconds))
+        rows = [i for i, r in enumerate(reqs) if r.speculative]
+        if len(rows) < R:  # plain rows in the batch: only the others draft, at their price
+            seconds, timed = self._partial(R, len(rows), modelled, seconds), None
+        else:
+            timed = self.times.counts(R, seconds)
+        arm = self.selector.choose(cls, R, seconds, seconds[AR_ARM], timed, len(rows))
         plan = plans[arm]
         self.rounds += 1
         if arm == AR_ARM:
             self.selector.idle(cls)
             self.ticks += 1
             return plan
-        rows = [i for i, r in enumerate(reqs) if r.speculative]
         if self.selector.probing and len(rows) > PROBE_ROWS * R:
             # A probe from AR steps measures acceptance, a per-row average: a few rows (in turn)
             # do, at a fraction of a whole batch's drafting round and held-back context.
@@ -419,6 +423,22 @@ class Policy:
         if len(rows) < R:
             return self._only(plan, rows, self.selector.predicted(cls, arm), cls)
         return dataclasses.replace(plan, predicted=[self.selector.predicted(cls, arm)] * R, cls=cls)
+
+    def _partial(self, R: int, k: int, modelled: dict[int, float], seconds: dict[int, float]) -> dict[int, float]:
+        """Per arm, the seconds of a round of R rows where only k draft: the whole batch's (timed
+        or modelled) scaled as the cost model prices k drafting rows against R. Every row still
+        verifies the window (shorter rows are padding), so a few scouts drafting among plain rows
+        cost most of a whole drafting round: priced as if all drafted, the arm looked R / k times
+        better than it is, and on the demo pair at T = 0, c = 16 two scouts drafted in one round
+        in ten at 2.5x an AR round's time."""
+        t = self._cost_tables(R)
+        _, plans = self._arm_table(R)
+        out = {AR_ARM: seconds[AR_ARM]}
+        for arm, full in seconds.items():
+            if arm != AR_ARM:
+                tree = k if plans[arm].tree_rows else 0
+                out[arm] = full * self._seconds(t, k, tree, plans[arm].column) / modelled[arm]
+        return out
 
     @staticmethod
     def _only(plan: RoundPlan, rows: list[int], predicted: float, cls: int) -> RoundPlan:

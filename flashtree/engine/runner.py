@@ -188,9 +188,10 @@ class ModelRunner:
 
     # ---- slots and prefill ----------------------------------------------------------------
 
-    def admit(self, req: Request) -> None:
-        """Decide, as a request is seated, whether it may ever draft (see Policy.admit)."""
-        req.speculative = self.policy is None or self.policy.admit(req.params)
+    def admit(self, req: Request, rows: int) -> None:
+        """Decide, as a request is seated into a batch of `rows` requests (itself included),
+        whether it may ever draft (see Policy.admit)."""
+        req.speculative = self.policy is None or self.policy.admit(req.params, rows)
 
     def seat(self, slot: int, source: int | None, length: int, state_key: int | None = None,
              speculative: bool = True) -> int:

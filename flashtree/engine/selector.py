@@ -146,21 +146,25 @@ class Selector:
             s.estimate, s.changed = self.accepted(cls), False
         return s.estimate
 
-    def rates(self, cls: int, rows: int, seconds: dict[int, float], ar_seconds: float) -> dict[int, float]:
-        """Predicted tokens per second of every arm that fits (`seconds`: arm -> round seconds)."""
+    def rates(self, cls: int, rows: int, seconds: dict[int, float], ar_seconds: float,
+              speculative: int | None = None) -> dict[int, float]:
+        """Predicted tokens per second of every arm that fits (`seconds`: arm -> round seconds),
+        `speculative` of the rows drafting in its rounds (all of them by default)."""
         tree, chain = self._estimate(cls)
+        k = rows if speculative is None else speculative
         out = {AR_ARM: rows / ar_seconds}
         for arm, sec in seconds.items():
             if arm != AR_ARM:
-                out[arm] = rows * (1.0 + (chain if arm == CHAIN_ARM else tree[arm])) / sec
+                out[arm] = (rows + k * (chain if arm == CHAIN_ARM else tree[arm])) / sec
         return out
 
     # ---- the choice --------------------------------------------------------------------------
 
     def choose(self, cls: int, rows: int, seconds: dict[int, float], ar_seconds: float,
-               timed: dict[int, int] | None = None) -> int:
+               timed: dict[int, int] | None = None, speculative: int | None = None) -> int:
         """The arm to play: AR_ARM, CHAIN_ARM or a tree column.
-        timed: rounds behind each arm's seconds at this batch size (modelled ones: 0)."""
+        timed: rounds behind each arm's seconds at this batch size (modelled ones: 0; None: all
+        trusted). speculative: rows that may draft (the others take AR steps in any arm)."""
         s = self._class(cls)
         self.probing = False  # set when the arm returned is a probe from AR steps
         drafting = [a for a in seconds if a != AR_ARM]
@@ -172,7 +176,7 @@ class Selector:
             if trees:
                 return max(trees)
             return min(drafting, key=lambda a: seconds[a])
-        rates = self.rates(cls, rows, seconds, ar_seconds)
+        rates = self.rates(cls, rows, seconds, ar_seconds, speculative)
         known = self._known(s, rates)
         # Drafting must beat AR steps by a margin: near parity the noise of its estimate, and the
         # held-back context its first round appends, decide.
