@@ -94,6 +94,7 @@ class Selector:
         self.stats: dict[int, ClassStats] = {}
         self.margin = AR_MARGIN
         self.explore_share = EXPLORE_SHARE
+        self.shape_rate = SHAPE_RATE
         self.wide_cost = COLD_COST
         self.probing = False
         # The tree column of the chain's size (or the largest): the chain's estimate leans on it.
@@ -298,10 +299,9 @@ class Selector:
         else:
             self._fold(s, G, [sum(run) / len(run)], b, rows)
 
-    @staticmethod
-    def _fold(s: ClassStats, first: int, xs: list[float], base: float, rows: int) -> None:
+    def _fold(self, s: ClassStats, first: int, xs: list[float], base: float, rows: int) -> None:
         """Entries first.. take the round's accepted tokens xs and its base."""
-        step = 1.0 - (1.0 - SHAPE_RATE) ** rows
+        step = 1.0 - (1.0 - self.shape_rate) ** rows
         for i, x in enumerate(xs, first):
             n = s.seen[i]
             w = max(step, 1.0 / (n + 1))
