@@ -143,11 +143,39 @@ def test_arm_times_take_the_median_and_scale_untimed_arms_by_the_nearest_window(
     modelled = {AR_ARM: 1.0, CHAIN_ARM: 4.0, 0: 2.0, 1: 3.0, 2: 6.0}
     assert times.seconds(4, modelled) == modelled  # nothing timed: the model
     for s in (5.0, 5.2, 50.0, 5.1):  # one round also flushed held-back context
-        times.record(4, CHAIN_ARM, s)
+        times.record(4, CHAIN_ARM, s, modelled[CHAIN_ARM])
     for s in (2.0, 2.0):
-        times.record(4, 0, s)  # only two rounds: not yet the arm's price
+        times.record(4, 0, s, modelled[0])  # only two rounds: not yet the arm's price
     out = times.seconds(4, modelled)
     assert out[CHAIN_ARM] == pytest.approx(5.15)
     assert out[2] == pytest.approx(6.0 * 5.15 / 4.0) and out[1] == pytest.approx(3.0 * 5.15 / 4.0)
     assert out[AR_ARM] == pytest.approx(1.0 * 5.15 / 4.0)  # untimed AR too: the machine's load is shared
     assert times.counts(4, modelled)[0] == 2 and times.seconds(8, modelled) == modelled
+
+
+def test_arm_times_price_an_arm_timed_in_a_slow_stretch_at_the_current_speed():
+    """The machine slows by half for a stretch (another job), and the tree of 4 is only played
+    then; once the speed is back, it is priced at the speed the chain's rounds now show, not at
+    its own rounds' seconds (1.5x). The chain runs 1.2x the model's seconds, the tree 1.0x."""
+    from flashtree.engine.selector import ArmTimes
+
+    times = ArmTimes(lambda arm: {AR_ARM: 1, CHAIN_ARM: 16, 0: 5}[arm])
+    modelled = {AR_ARM: 1.0, CHAIN_ARM: 4.0, 0: 2.0}
+    true = {CHAIN_ARM: 4.8, 0: 2.0}
+
+    def play(arm, speed):
+        times.seconds(4, modelled)  # as each planned round does
+        times.record(4, arm, true[arm] * speed, modelled[arm])
+
+    for _ in range(10):
+        play(CHAIN_ARM, 1.0)
+    for _ in range(30):
+        play(CHAIN_ARM, 1.5)
+    for _ in range(10):
+        play(CHAIN_ARM, 1.5)
+        play(0, 1.5)
+    for _ in range(40):
+        play(CHAIN_ARM, 1.0)
+    out = times.seconds(4, modelled)
+    assert out[CHAIN_ARM] == pytest.approx(4.8, rel=0.03)
+    assert out[0] == pytest.approx(2.0, rel=0.05)

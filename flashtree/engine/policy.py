@@ -455,7 +455,7 @@ class Policy:
         """A round the selector planned took `seconds` of wall time. Not kept under a frozen cost
         model (tensor parallelism): every rank must price, so plan, alike."""
         if plan.arm is not None and not self.cost.frozen and plan.drafting in (0, rows):
-            self.times.record(rows, plan.arm, seconds)
+            self.times.record(rows, plan.arm, seconds, plan.seconds)
 
     def _arm_table(self, R: int) -> tuple[dict[int, float], dict[int, RoundPlan]]:
         """Per arm that fits a batch of R (max_round_tokens), its predicted seconds and its plan;

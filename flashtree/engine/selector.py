@@ -13,14 +13,17 @@ chain's.
 Estimates, per sampling class (acceptance depends on what is sampled, not on the batch size):
 an arm's accepted tokens are shape x level. The level is a recent average of a base every
 drafting arm measures alike (the accepted path's first BASE_DEPTH spine nodes); an arm's shape is
-a slow average of its accepted tokens over the base in the same rounds. Pairing matters:
+a slow average of its accepted tokens over the base in the same rounds (a tree's: the sum of
+what each grid size adds to the next smaller one, both measured in one round). Pairing matters:
 acceptance comes in streaks and big trees are played when it runs high, so averaging each arm
 over the rounds it happened to be played would credit big trees with the good stretches.
 
-Prices: each arm's timed rounds at this batch size (ArmTimes), or the cost model's seconds where
-it has too few. Then
+Prices: the cost model's seconds times the machine's current load times the arm's bias at this
+batch size, both from timed rounds (ArmTimes). Then
 
-    rate(arm) = rows * (1 + accepted(arm)) / seconds(rows, arm),   rate(AR) = rows / seconds(AR)
+    rate(arm) = (rows + drafting * accepted(arm)) / seconds(rows, arm),   rate(AR) = rows / seconds(AR)
+
+drafting the rows that may draft (all, unless the batch holds plain requests: Policy.admit).
 
 and the best measured arm is played. A share of round time is credit for exploration: the
 stalest of the runners-up (optimistic where an arm rests on few rounds) is played when the
@@ -35,6 +38,7 @@ round does: no per-row plan and, apart from the per-size accepted counts, nothin
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import deque
@@ -59,7 +63,9 @@ PROBE_PRICE = 0.25  # a probe from AR steps after one that left AR ahead costs a
 #                     of its round: near parity (hopeful above AR's rate) probes were free, so every
 #                     other round drafted. The first of a stretch stays cheap: a dip recovers fast.
 STALE_WEIGHT = 8  # a drafting round after a stretch of AR steps moves the level as up to this many would
-TIME_WINDOW, TIMED = 16, 3  # timed rounds kept per (batch size, arm); how many make its seconds
+TIME_WINDOW, TIMED = 16, 3  # timed rounds kept per (batch size, arm); how many make its bias
+LOAD_WINDOW = 5  # timed rounds whose median is the machine's load (ArmTimes): a round that also
+#                 flushed held-back context does not move it, a lasting change of speed does in 3
 AR_ARM, CHAIN_ARM = -2, -1  # arms: AR, the chain, or a tree grid column (>= 0)
 
 
@@ -67,8 +73,9 @@ AR_ARM, CHAIN_ARM = -2, -1  # arms: AR, the chain, or a tree grid column (>= 0)
 class ClassStats:
     """Per sampling class. level: the recent average of the base (the accepted path's first
     BASE_DEPTH spine nodes, which every drafting arm measures alike). num/den per arm (tree
-    columns, then the chain): slow averages of the arm's accepted tokens and of the base over
-    the rounds that measured the arm, so num/den is its shape, measured in the same rounds as
+    columns, then the chain): slow averages of the arm's accepted tokens (a tree column: those
+    over the next smaller column's) and of the base over the rounds that measured the arm, so
+    num/den is its shape (a tree's: the sum up to its column), measured in the same rounds as
     its base. seen: rounds of evidence per arm; measured_at: the class's round (its clock) when
     each arm was last measured, so an arm's age is clock - measured_at (an AR round only ticks)."""
 
@@ -116,7 +123,10 @@ class Selector:
         G is about a dozen, and this runs in every drafting round.)"""
         s = self._class(cls)
         G = len(self.grid)
-        shape = [(n + SHAPE_PRIOR) / (d + SHAPE_PRIOR) for n, d in zip(s.num, s.den)]
+        # Tree column j holds its increment over column j - 1 (see observe): the shapes are sums.
+        shape = [(n + SHAPE_PRIOR) / (d + SHAPE_PRIOR) if j in (0, G) else n / (d + SHAPE_PRIOR)
+                 for j, (n, d) in enumerate(zip(s.num, s.den))]
+        shape[:G] = itertools.accumulate(shape[:G])
         seen = [j for j in range(G) if s.seen[j] > 0]
         if not seen:
             tree = [0.0] * G
@@ -295,7 +305,14 @@ class Selector:
         s.level = b if s.rounds == 1 else s.level + weight * (b - s.level)
         s.gap = 1
         if tree is not None and tree.size:
-            self._fold(s, 0, tree.mean(0).tolist(), b, rows)
+            # Per column, what it accepts over the next smaller one, measured in the same rounds
+            # (one round measures both exactly): a column's own average over the rounds that
+            # reached it drifts from its neighbour's, which were other rounds. On the demo pair at
+            # T = 0, c = 1 the tree of 12 had measured 2.03 x the base and the tree of 15 1.73 x:
+            # the tree of 12 was predicted 5.3 tokens where its own rounds accepted 4.2, and every
+            # bigger tree as much (a bigger tree never accepts less).
+            x = tree.mean(0).tolist()
+            self._fold(s, 0, [x[0]] + [x[j] - x[j - 1] for j in range(1, len(x))], b, rows)
         else:
             self._fold(s, G, [sum(run) / len(run)], b, rows)
 
@@ -318,49 +335,70 @@ class Selector:
 
 
 class ArmTimes:
-    """What each arm's rounds cost, per batch size: the median wall time of its last TIME_WINDOW
-    rounds there (robust to a round that also flushed held-back context, or that another process
-    slowed), once TIMED of them are in."""
+    """What each arm's rounds cost, per batch size, as three factors: the cost model's seconds,
+    the machine's load, and the arm's bias. The load is the median of the last LOAD_WINDOW timed
+    rounds' seconds over the model's, each divided by its arm's bias. An arm's bias is the median
+    of its last TIME_WINDOW rounds' ratios over the load of their time (robust to a round that
+    also flushed held-back context), once TIMED of them are in; an arm with fewer takes the
+    bias of the timed drafting arm of the nearest window (the model's error depends on the
+    shape: a global scale priced the tree of 8 a third too high on the demo pair).
+
+    Arms are played in different stretches, and on a shared machine stretches run at different
+    speeds. Priced by their own rounds' medians, on the demo pair at T = 0, c = 4, the tree of 8
+    stood 18% above what the fixed ddtree-8 measured in the same minutes, from three rounds
+    played early on, and the chain was played in its place."""
 
     def __init__(self, window: Callable[[int], int]) -> None:
         self.window = window  # arm -> the verify window it runs (nearest windows share model errors)
-        self.rounds: dict[tuple[int, int], deque] = {}
-        self.median: dict[tuple[int, int], float] = {}
-        self.stale: set[tuple[int, int]] = set()  # keys with rounds newer than their median
+        self.rounds: dict[tuple[int, int], deque] = {}  # per (rows, arm): its rounds' ratios over the load
+        self.bias: dict[tuple[int, int], float] = {}
+        self.stale: set[tuple[int, int]] = set()  # keys with rounds newer than their bias
+        self.load = 0.0  # seconds over the model's, for an arm of bias 1 (0: nothing timed yet)
+        self.recent: deque = deque(maxlen=LOAD_WINDOW)  # the last rounds' load
         self._near: dict[tuple[int, tuple[int, ...]], list[int]] = {}
 
-    def record(self, rows: int, arm: int, seconds: float) -> None:
-        """Runs every round, so the median waits until a plan asks (held AR rounds ask nothing)."""
-        if seconds > 0:
-            self.rounds.setdefault((rows, arm), deque(maxlen=TIME_WINDOW)).append(seconds)
-            self.stale.add((rows, arm))
+    def record(self, rows: int, arm: int, seconds: float, modelled: float) -> None:
+        """A round of `arm` at `rows` took `seconds`; the model priced it `modelled`. Runs every
+        round, so the bias waits until a plan asks (held AR rounds ask nothing)."""
+        if seconds <= 0 or modelled <= 0:
+            return
+        ratio = seconds / modelled
+        key = (rows, arm)
+        if not self.load:
+            self.load = ratio
+        elif key in self.bias:  # an arm without a bias yet tells nothing about the load
+            self.recent.append(ratio / self.bias[key])
+            self.load = statistics.median(self.recent)
+        # Taken after the load moved: a lasting change of speed shows in the next few ratios
+        # only, which the bias's median passes over, and goes to the load.
+        self.rounds.setdefault(key, deque(maxlen=TIME_WINDOW)).append(ratio / self.load)
+        self.stale.add(key)
 
     def _update(self) -> None:
         for key in self.stale:
-            times = self.rounds[key]
-            if len(times) >= TIMED:
-                self.median[key] = statistics.median(times)
+            ratios = self.rounds[key]
+            if len(ratios) >= TIMED:
+                self.bias[key] = statistics.median(ratios)
         self.stale.clear()
 
     def counts(self, rows: int, arms) -> dict[int, int]:
         return {a: len(self.rounds.get((rows, a), ())) for a in arms}
 
     def seconds(self, rows: int, modelled: dict[int, float]) -> dict[int, float]:
-        """Seconds per arm: as timed, or the cost model's scaled as the model compares with the
-        timed drafting arm of the nearest window (the model's error depends on the shape: a
-        global scale priced the tree of 8 a third too high on the demo pair)."""
+        """Seconds per arm at this batch size: the model's times the load times the arm's bias
+        (or the nearest timed drafting arm's). With no drafting arm timed at this size, arms
+        without a bias take the model's seconds."""
         self._update()
-        timed = {a: self.median[rows, a] for a in modelled if (rows, a) in self.median}
-        if not any(a != AR_ARM for a in timed):
-            return {a: timed.get(a, m) for a, m in modelled.items()}
+        bias = {a: self.bias[rows, a] for a in modelled if (rows, a) in self.bias}
+        if not any(a != AR_ARM for a in bias):
+            return {a: m * self.load * bias[a] if a in bias else m for a, m in modelled.items()}
         out = {}
         arms = tuple(modelled)
         for a, m in modelled.items():
-            if a in timed:
-                out[a] = timed[a]
-            else:
-                b = next(x for x in self._nearest(a, arms) if x in timed)
-                out[a] = m * timed[b] / modelled[b]
+            b = bias.get(a)
+            if b is None:
+                b = bias[next(x for x in self._nearest(a, arms) if x in bias)]
+            out[a] = m * self.load * b
         return out
 
     def _nearest(self, arm: int, arms: tuple[int, ...]) -> list[int]:
