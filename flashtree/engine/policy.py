@@ -428,9 +428,9 @@ class Policy:
         """Per arm, the seconds of a round of R rows where only k draft: the whole batch's (timed
         or modelled) scaled as the cost model prices k drafting rows against R. Every row still
         verifies the window (shorter rows are padding), so a few scouts drafting among plain rows
-        cost most of a whole drafting round: priced as if all drafted, the arm looked R / k times
-        better than it is, and on the demo pair at T = 0, c = 16 two scouts drafted in one round
-        in ten at 2.5x an AR round's time."""
+        cost most of a whole drafting round: priced as if all drafted, the arm looked far better
+        than it is, and on the demo pair at T = 0, c = 16 the scouts (one row in eight) drafted
+        in one round in ten at 2.5x an AR round's time."""
         t = self._cost_tables(R)
         _, plans = self._arm_table(R)
         out = {AR_ARM: seconds[AR_ARM]}
