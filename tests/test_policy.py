@@ -399,8 +399,9 @@ def test_ar_when_acceptance_collapses(tmp_path, monkeypatch):
 def test_a_few_speculative_rows_among_plain_ones_are_priced_as_drafting_alone():
     """Rows that may draft (scouts) among plain rows: the round still verifies the window for
     every row, so drafting pays only if those rows' tokens pay for it. With a drafter the target
-    always agrees with, drafting the whole batch of 16 beats AR steps (1.3x on this cost model);
-    two drafting rows in it do not (0.5x): the batch takes AR steps, probing only now and then.
+    always agrees with, drafting the whole batch of 16 beats AR steps (the chain, 1.4x on this
+    cost model); two drafting rows in it do not (at best 0.6x): the batch takes AR steps,
+    probing only now and then.
     Priced as if every row drafted, it drafted in every round."""
     policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
     reqs = _requests(16)
