@@ -403,7 +403,7 @@ class Policy:
         seconds = self.times.seconds(R, modelled)
         rows = [i for i, r in enumerate(reqs) if r.speculative]
         if len(rows) < R:  # plain rows in the batch: only the others draft, at their price
-            seconds, timed = self._partial(R, len(rows), modelled, seconds), None
+            seconds, timed = self._partial(R, len(rows), modelled, plans, seconds), None
         else:
             timed = self.times.counts(R, seconds)
         arm = self.selector.choose(cls, R, seconds, seconds[AR_ARM], timed, len(rows))
@@ -423,7 +423,8 @@ class Policy:
             return self._only(plan, rows, self.selector.predicted(cls, arm), cls)
         return dataclasses.replace(plan, predicted=[self.selector.predicted(cls, arm)] * R, cls=cls)
 
-    def _partial(self, R: int, k: int, modelled: dict[int, float], seconds: dict[int, float]) -> dict[int, float]:
+    def _partial(self, R: int, k: int, modelled: dict[int, float], plans: dict[int, RoundPlan],
+                 seconds: dict[int, float]) -> dict[int, float]:
         """Per arm, the seconds of a round of R rows where only k draft: the whole batch's (timed
         or modelled) scaled as the cost model prices k drafting rows against R. Every row still
         verifies the window (shorter rows are padding), so a few scouts drafting among plain rows
@@ -431,7 +432,6 @@ class Policy:
         than it is, and on the demo pair at T = 0, c = 16 the scouts (one row in eight) drafted
         in one round in ten at 2.5x an AR round's time."""
         t = self._cost_tables(R)
-        _, plans = self._arm_table(R)
         out = {AR_ARM: seconds[AR_ARM]}
         for arm, full in seconds.items():
             if arm != AR_ARM:
