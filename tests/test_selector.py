@@ -136,7 +136,8 @@ def test_selector_keeps_ar_steps_within_the_margin_and_drafts_beyond_it():
 
 def test_arm_times_take_the_median_and_scale_untimed_arms_by_the_nearest_window():
     """Timed arms cost their rounds' median (an outlier round does not move it); an arm not timed
-    yet takes the model's seconds scaled like the timed drafting arm of the nearest window."""
+    yet takes the model's seconds scaled like the timed drafting arm of the nearest window, and a
+    batch size with no drafting arm timed borrows the nearest timed size's scales."""
     from flashtree.engine.selector import ArmTimes
 
     times = ArmTimes(lambda arm: {AR_ARM: 1, CHAIN_ARM: 16, 0: 5, 1: 9, 2: 33}[arm])
@@ -150,7 +151,8 @@ def test_arm_times_take_the_median_and_scale_untimed_arms_by_the_nearest_window(
     assert out[CHAIN_ARM] == pytest.approx(5.15)
     assert out[2] == pytest.approx(6.0 * 5.15 / 4.0) and out[1] == pytest.approx(3.0 * 5.15 / 4.0)
     assert out[AR_ARM] == pytest.approx(1.0 * 5.15 / 4.0)  # untimed AR too: the machine's load is shared
-    assert times.counts(4, modelled)[0] == 2 and times.seconds(8, modelled) == modelled
+    assert times.counts(4, modelled)[0] == 2
+    assert times.seconds(8, modelled) == pytest.approx(out)  # a size never timed: the nearest timed one's
 
 
 def test_arm_times_price_an_arm_timed_in_a_slow_stretch_at_the_current_speed():
@@ -179,3 +181,21 @@ def test_arm_times_price_an_arm_timed_in_a_slow_stretch_at_the_current_speed():
     out = times.seconds(4, modelled)
     assert out[CHAIN_ARM] == pytest.approx(4.8, rel=0.03)
     assert out[0] == pytest.approx(2.0, rel=0.05)
+
+
+def test_lead_judges_a_seat_at_the_long_run_level_not_a_cold_stretch():
+    """Policy.admit seats a request plain for its whole life when AR steps lead (Selector.lead).
+    After 400 rounds where drafting wins by far, a stretch of 20 cold rounds drops the recent
+    level so that AR steps lead on it, yet the lead stays well below parity: the stretch does not
+    seat requests plain for good."""
+    sel = Selector(GRID, 15)
+    seconds = {a: 4 * s for a, s in _seconds(0.05).items()}
+    seconds[AR_ARM] = 2.0
+    good = [0.9, 1.7, 3.0, 5.0, 5.3, 5.3, 5.4]
+    _play(sel, 400, good, 6.0, seconds, rows=4)
+    for _ in range(20):
+        sel.observe(0, 4, np.tile(np.full(len(GRID), 0.1), (4, 1)), np.full(4, 0.1))
+    rates = sel.rates(0, 4, seconds, seconds[AR_ARM])
+    recent = rates[AR_ARM] / max(r for a, r in rates.items() if a != AR_ARM)
+    assert recent > 1.2  # on the recent level alone, AR steps would settle the class
+    assert sel.lead(0, 4, seconds, seconds[AR_ARM]) < 0.8

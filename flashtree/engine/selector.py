@@ -49,6 +49,7 @@ import numpy as np
 
 RATE = 0.05  # EMA weight of one row in the level (a round of r rows weighs 1 - (1 - RATE)^r)
 SHAPE_RATE = 0.01  # ... and in an arm's shape, which changes slowly
+LONG_RATE = 0.002  # ... and in the long-run level: what a request seated now may expect (lead)
 BASE_DEPTH = 3  # the level counts the accepted path's first BASE_DEPTH spine nodes
 SHAPE_PRIOR = 0.5  # pseudo-count (in base tokens) that keeps a shape finite where the base is ~0
 KNOWN = 3  # rounds of evidence before an arm's estimate is trusted
@@ -85,6 +86,7 @@ class ClassStats:
     measured_at: list[float]
     clock: int = 0  # rounds of this class, AR steps included
     level: float = 0.0
+    long_level: float = 0.0  # the base's long-run average (lead)
     gap: int = 1  # rounds since the last drafting round, this one included
     rounds: int = 0  # drafting rounds observed
     credit: float = 0.0  # seconds of exploration the class may spend
@@ -240,12 +242,17 @@ class Selector:
 
     def lead(self, cls: int, rows: int, seconds: dict[int, float], ar_seconds: float) -> float:
         """AR's predicted rate over the best measured drafting arm's at these prices (0 while the
-        class has too little evidence): Policy.admit asks it for the batch a request joins."""
+        class has too little evidence): Policy.admit asks it for the batch a request joins. A
+        seat lasts the request's life, so drafting is judged at the class's long-run level, not
+        the recent one: a cold stretch of acceptance must not seat requests plain for good."""
         s = self.stats.get(cls)
         if s is None or s.rounds < COLD_ROUNDS:
             return 0.0
         rates = self.rates(cls, rows, seconds, ar_seconds)
-        drafts = [r for a, r in self._known(s, rates).items() if a != AR_ARM]
+        tree, chain = self._estimate(cls)
+        scale = s.long_level / s.level if s.level > 0 else 1.0
+        drafts = [rows * (1.0 + min(self.depth, scale * (chain if a == CHAIN_ARM else tree[a]))) / seconds[a]
+                  for a in self._known(s, rates) if a != AR_ARM]
         return rates[AR_ARM] / max(drafts) if drafts else 0.0
 
     def _known(self, s: ClassStats, rates: dict[int, float]) -> dict[int, float]:
@@ -303,6 +310,8 @@ class Selector:
         # cold stretch, and the class would stay on AR steps long after the stretch ended.
         weight = 1.0 - (1.0 - RATE) ** (rows * min(s.gap, STALE_WEIGHT))
         s.level = b if s.rounds == 1 else s.level + weight * (b - s.level)
+        long = max(1.0 - (1.0 - LONG_RATE) ** rows, 1.0 / s.rounds)
+        s.long_level += long * (b - s.long_level)
         s.gap = 1
         if tree is not None and tree.size:
             # Per column, what it accepts over the next smaller one, measured in the same rounds
@@ -386,20 +395,33 @@ class ArmTimes:
 
     def seconds(self, rows: int, modelled: dict[int, float]) -> dict[int, float]:
         """Seconds per arm at this batch size: the model's times the load times the arm's bias
-        (or the nearest timed drafting arm's). With no drafting arm timed at this size, arms
-        without a bias take the model's seconds."""
+        (or the nearest timed drafting arm's; 1 with nothing timed at all)."""
         self._update()
-        bias = {a: self.bias[rows, a] for a in modelled if (rows, a) in self.bias}
-        if not any(a != AR_ARM for a in bias):
-            return {a: m * self.load * bias[a] if a in bias else m for a, m in modelled.items()}
-        out = {}
+        if not self.load:
+            return dict(modelled)
+        bias = self._biases(rows, modelled)
         arms = tuple(modelled)
+        out = {}
         for a, m in modelled.items():
             b = bias.get(a)
             if b is None:
-                b = bias[next(x for x in self._nearest(a, arms) if x in bias)]
+                b = next((bias[x] for x in self._nearest(a, arms) if x in bias), 1.0)
             out[a] = m * self.load * b
         return out
+
+    def _biases(self, rows: int, modelled: dict[int, float]) -> dict[int, float]:
+        """The arms' biases at this batch size; while no drafting arm has one here, the nearest
+        timed batch size's fill in (a draining batch passes through sizes never timed). Priced
+        at the bare model instead, while AR's timed rounds carried the load, drafting looked
+        cheaper at each new size by as much as the machine ran slower than the model."""
+        own = {a: self.bias[rows, a] for a in modelled if (rows, a) in self.bias}
+        if any(a != AR_ARM for a in own):
+            return own
+        sizes = {r for r, a in self.bias if a != AR_ARM}
+        if not sizes:
+            return own
+        near = min(sizes, key=lambda r: (abs(math.log(r / rows)), r))
+        return {a: self.bias[near, a] for a in modelled if (near, a) in self.bias} | own
 
     def _nearest(self, arm: int, arms: tuple[int, ...]) -> list[int]:
         """The drafting arms by how near their window is to arm's (sorted once per arm set)."""
