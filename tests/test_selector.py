@@ -199,3 +199,18 @@ def test_lead_judges_a_seat_at_the_long_run_level_not_a_cold_stretch():
     recent = rates[AR_ARM] / max(r for a, r in rates.items() if a != AR_ARM)
     assert recent > 1.2  # on the recent level alone, AR steps would settle the class
     assert sel.lead(0, 4, seconds, seconds[AR_ARM]) < 0.8
+
+
+def test_a_steady_class_is_predicted_what_its_arms_accepted():
+    """At a steady level the estimates give back what each arm's rounds accepted: the trees' per
+    size, the chain's, and a tree of one node at most one token. (With the pseudo-count on one
+    side of the increments, the tree of 8 here came out 4.2 for 4.4 accepted.)"""
+    sel = Selector(GRID, 15)
+    acc = [0.95, 1.7, 3.0, 4.4, 6.0, 6.0, 6.1]  # the tree of 15, the chain's size, as the chain
+    for _ in range(60):
+        sel.observe(0, 4, np.tile(np.asarray(acc), (4, 1)), np.full(4, 3.0))
+        sel.observe(0, 4, None, np.full(4, 6.0))
+    tree, chain = sel.accepted(0)
+    assert tree == pytest.approx(acc) and chain == pytest.approx(6.0)
+    sel.observe(0, 4, np.tile(np.asarray([1.0] * 7), (4, 1)), np.full(4, 3.0))
+    assert sel.accepted(0)[0][0] <= 1.0

@@ -11,10 +11,12 @@ exactly, the tokens every top-b tree with b <= B would have accepted; a chain ro
 chain's.
 
 Estimates, per sampling class (acceptance depends on what is sampled, not on the batch size):
-an arm's accepted tokens are shape x level. The level is a recent average of a base every
+an arm's accepted tokens are shape x (level + P). The level is a recent average of a base every
 drafting arm measures alike (the accepted path's first BASE_DEPTH spine nodes); an arm's shape is
-a slow average of its accepted tokens over the base in the same rounds (a tree's: the sum of
-what each grid size adds to the next smaller one, both measured in one round). Pairing matters:
+a slow average of its accepted tokens over (P + the base) in the same rounds (a tree's: the sum
+of what each grid size adds to the next smaller one, both measured in one round). P (a fraction
+of a token) keeps the ratio finite where the base is ~0, and appears on both sides, so a steady
+level gives back the arm's own average. Pairing matters:
 acceptance comes in streaks and big trees are played when it runs high, so averaging each arm
 over the rounds it happened to be played would credit big trees with the good stretches.
 
@@ -51,7 +53,7 @@ RATE = 0.05  # EMA weight of one row in the level (a round of r rows weighs 1 - 
 SHAPE_RATE = 0.01  # ... and in an arm's shape, which changes slowly
 LONG_RATE = 0.002  # ... and in the long-run level: what a request seated now may expect (lead)
 BASE_DEPTH = 3  # the level counts the accepted path's first BASE_DEPTH spine nodes
-SHAPE_PRIOR = 0.5  # pseudo-count (in base tokens) that keeps a shape finite where the base is ~0
+SHAPE_PRIOR = 0.5  # P: base tokens added to both sides of a shape, so it stays finite where the base is ~0
 KNOWN = 3  # rounds of evidence before an arm's estimate is trusted
 CHAIN_PRIOR = 4  # rounds' worth of weight the tree of the chain's size has in the chain's estimate
 COLD_ROUNDS = 3  # drafting rounds a new class opens with (the exploration tree)
@@ -119,34 +121,37 @@ class Selector:
 
     def accepted(self, cls: int) -> tuple[list[float], float]:
         """Expected drafted tokens accepted per row: [G] per tree column, and the chain's, as
-        shape x level. Tree columns never measured extend the largest measured one by its last
+        shape x (level + P). Tree columns never measured extend the largest measured one by its last
         increment, in shrinking steps; a bigger tree never accepts less. The chain's estimate
         leans on the tree of its size until its own rounds add up (CHAIN_PRIOR). (Plain floats:
         G is about a dozen, and this runs in every drafting round.)"""
         s = self._class(cls)
         G = len(self.grid)
         # Tree column j holds its increment over column j - 1 (see observe): the shapes are sums.
-        shape = [(n + SHAPE_PRIOR) / (d + SHAPE_PRIOR) if j in (0, G) else n / (d + SHAPE_PRIOR)
-                 for j, (n, d) in enumerate(zip(s.num, s.den))]
+        # P on one side only (it was, for the increments) took a steady level's estimates down
+        # by base / (base + P): on the demo pair at T = 0 the tree of 8 was predicted 3.9 tokens
+        # where the fixed ddtree-8 accepted 4.4, and the chain, 3% behind it, was played.
+        shape = [n / (d + SHAPE_PRIOR) for n, d in zip(s.num, s.den)]
+        scale = s.level + SHAPE_PRIOR
         shape[:G] = itertools.accumulate(shape[:G])
         seen = [j for j in range(G) if s.seen[j] > 0]
         if not seen:
             tree = [0.0] * G
         else:
-            tree = [x * s.level for x in shape[:G]]
+            tree = [x * scale for x in shape[:G]]
             j = seen[-1]
             step = tree[j] - (tree[j - 1] if j > 0 else 0.0)
             for k in range(j + 1, G):
                 step *= 0.7
                 tree[k] = tree[k - 1] + max(step, 0.0)
             top = -math.inf
-            for k in range(G):
-                top = tree[k] = max(top, min(tree[k], self.depth))
+            for k in range(G):  # a tree of b nodes accepts b tokens at most
+                top = tree[k] = max(top, min(tree[k], self.depth, float(self.grid[k])))
         # The chain is measured only by its own rounds, one round is a noisy sample (0 to depth
         # tokens), so its first few lean on the tree of its size.
         like = tree[self.chain_twin]
         w = s.seen[G] / (s.seen[G] + CHAIN_PRIOR)
-        chain = w * min(shape[G] * s.level, self.depth) + (1.0 - w) * like
+        chain = w * min(shape[G] * scale, self.depth) + (1.0 - w) * like
         return tree, chain
 
     def chain_column(self) -> int:
@@ -221,14 +226,21 @@ class Selector:
         if plausible:
             # From AR steps: the best drafting arm, priced at its hopeful rate (cheap while
             # drafting may well pay, dear once it has shown it does not). Else the stalest
-            # runner-up, never timed at this batch size first, among equals the biggest tree.
+            # runner-up, the two most hopeful never timed at this batch size first.
             if best == AR_ARM:
                 cand = probe
                 floor = PROBE_PRICE if s.probes else 0.0
                 price = seconds[cand] * max(floor, 1.0 - hopeful / rates[AR_ARM])
             else:
-                cand = max(plausible, key=lambda a: (timed.get(a, TIMED) < TIMED, self._age(s, a), a))
-                price = max(0.0, seconds[cand] * (1.0 - rates[cand] / rates[best]))
+                # Among equals the cheapest: after a wide tree every smaller one is as stale, and
+                # taking the wide one again (never timed at this batch size, so always first)
+                # spent the credit at twice the best's round. On the demo pair at T = 0, c = 4
+                # the tree of 8 was measured in 10 rounds of a run, and predicted 3.4 tokens for
+                # the 4.4 the fixed ddtree-8 accepted.
+                cost = {a: max(0.0, seconds[a] * (1.0 - rates[a] / rates[best])) for a in plausible}
+                cand = max(plausible, key=lambda a: (a in ranked[:2] and timed.get(a, TIMED) < TIMED,
+                                                     self._age(s, a), -cost[a]))
+                price = cost[cand]
             if (self._age(s, cand) > 1 or timed.get(cand, TIMED) < TIMED) and s.credit >= price:
                 s.credit -= price
                 s.probes += best == AR_ARM
@@ -250,7 +262,7 @@ class Selector:
             return 0.0
         rates = self.rates(cls, rows, seconds, ar_seconds)
         tree, chain = self._estimate(cls)
-        scale = s.long_level / s.level if s.level > 0 else 1.0
+        scale = (s.long_level + SHAPE_PRIOR) / (s.level + SHAPE_PRIOR)
         drafts = [rows * (1.0 + min(self.depth, scale * (chain if a == CHAIN_ARM else tree[a]))) / seconds[a]
                   for a in self._known(s, rates) if a != AR_ARM]
         return rates[AR_ARM] / max(drafts) if drafts else 0.0
