@@ -398,13 +398,14 @@ class Policy:
         that may not draft (admit) take AR steps in any plan; a round without a row that may
         asks the selector nothing."""
         R = len(reqs)
-        if (R in self._arms and self.selector.held(cls, R)) or not any(r.speculative for r in reqs):
+        held = R in self._arms and self.selector.held(cls, R)
+        rows = [] if held else [i for i, r in enumerate(reqs) if r.speculative]
+        if not rows:
             self.rounds += 1  # AR steps decided ahead, or nothing else possible
             self.ticks += 1
             return self._arm_table(R)[1][AR_ARM]
         modelled, plans = self._arm_table(R)
         seconds = self.times.seconds(R, modelled)
-        rows = [i for i, r in enumerate(reqs) if r.speculative]
         if len(rows) < R:  # plain rows in the batch: only the others draft, at their price
             seconds, timed = self._partial(R, len(rows), modelled, plans, seconds), None
         else:

@@ -392,7 +392,9 @@ class ArmTimes:
             self.load = statistics.median(self.recent)
         # Taken after the load moved: a lasting change of speed shows in the next few ratios
         # only, which the bias's median passes over, and goes to the load.
-        self.rounds.setdefault(key, deque(maxlen=TIME_WINDOW)).append(ratio / self.load)
+        if key not in self.rounds:
+            self.rounds[key] = deque(maxlen=TIME_WINDOW)
+        self.rounds[key].append(ratio / self.load)
         self.stale.add(key)
 
     def _update(self) -> None:
