@@ -110,6 +110,7 @@ class Selector:
         self.probing = False
         # The tree column of the chain's size (or the largest): the chain's estimate leans on it.
         self.chain_twin = min(int(np.searchsorted(grid, depth)), len(grid) - 1)
+        self.caps = [min(float(b), float(depth)) for b in grid]  # a tree of b nodes accepts b tokens at most
 
     def _class(self, cls: int) -> ClassStats:
         if cls not in self.stats:
@@ -145,8 +146,8 @@ class Selector:
                 step *= 0.7
                 tree[k] = tree[k - 1] + max(step, 0.0)
             top = -math.inf
-            for k in range(G):  # a tree of b nodes accepts b tokens at most
-                top = tree[k] = max(top, min(tree[k], self.depth, float(self.grid[k])))
+            for k in range(G):
+                top = tree[k] = max(top, min(tree[k], self.caps[k]))
         # The chain is measured only by its own rounds, one round is a noisy sample (0 to depth
         # tokens), so its first few lean on the tree of its size.
         like = tree[self.chain_twin]
@@ -165,10 +166,14 @@ class Selector:
         return s.estimate
 
     def rates(self, cls: int, rows: int, seconds: dict[int, float], ar_seconds: float,
-              speculative: int | None = None) -> dict[int, float]:
+              speculative: int | None = None, scale: float = 1.0) -> dict[int, float]:
         """Predicted tokens per second of every arm that fits (`seconds`: arm -> round seconds),
-        `speculative` of the rows drafting in its rounds (all of them by default)."""
+        `speculative` of the rows drafting in its rounds (all of them by default), with the
+        accepted tokens scaled (at most the chain's depth) to another level (lead)."""
         tree, chain = self._estimate(cls)
+        if scale != 1.0:
+            tree = [min(self.depth, scale * x) for x in tree]
+            chain = min(self.depth, scale * chain)
         k = rows if speculative is None else speculative
         out = {AR_ARM: rows / ar_seconds}
         for arm, sec in seconds.items():
@@ -260,11 +265,9 @@ class Selector:
         s = self.stats.get(cls)
         if s is None or s.rounds < COLD_ROUNDS:
             return 0.0
-        rates = self.rates(cls, rows, seconds, ar_seconds)
-        tree, chain = self._estimate(cls)
         scale = (s.long_level + SHAPE_PRIOR) / (s.level + SHAPE_PRIOR)
-        drafts = [rows * (1.0 + min(self.depth, scale * (chain if a == CHAIN_ARM else tree[a]))) / seconds[a]
-                  for a in self._known(s, rates) if a != AR_ARM]
+        rates = self.rates(cls, rows, seconds, ar_seconds, scale=scale)
+        drafts = [r for a, r in self._known(s, rates).items() if a != AR_ARM]
         return rates[AR_ARM] / max(drafts) if drafts else 0.0
 
     def _known(self, s: ClassStats, rates: dict[int, float]) -> dict[int, float]:
