@@ -15,6 +15,7 @@ from flashtree import LLM, EngineConfig, LLMEngine, SamplingParams
 from flashtree.engine import cost_model
 from flashtree.engine.cost_model import CostModel, Grid
 from flashtree.engine.policy import AR, CHAIN, TREE, Policy, RoundPlan
+from flashtree.engine.selector import AR_ARM
 from flashtree.engine.sequence import Request
 from flashtree.tree import build_chain, build_tree
 from flashtree.tree.budget import expected_accepts, truncate
@@ -293,6 +294,21 @@ def test_selector_follows_cost_and_batch():
     # Every row alike, except probes from AR steps: those draft a quarter of the rows.
     assert all(len(set(p.modes)) == 1 or p.drafting == 4 for p in many)
     assert np.median([p.window for p in many[10:]]) < w1
+
+
+def test_held_back_context_is_priced_to_ar_steps_not_to_the_next_drafting_round():
+    """A drafting round that also appended 40 held-back tokens (0.2 s of its 0.3 s) is timed as
+    its own 0.1 s: the append is what the AR steps that parked those tokens cost, so AR's price
+    carries it per row that parks (5 ms a token here), and a plain row parks nothing."""
+    policy = Policy(_cost(1e-3), 16, 16, 64, 4096)
+    drafting = policy.plan(_requests(4))  # a new class opens with a tree
+    assert drafting.arm >= 0 and drafting.drafting == 4
+    policy.timed(drafting, 4, 0.3, (0.2, 40))
+    assert policy.held_cost == pytest.approx(0.005)
+    assert policy.times.load == pytest.approx(0.1 / drafting.seconds)  # the first timed round sets it
+    priced = policy.ar_price({AR_ARM: 0.01, 3: 0.05}, 3)
+    assert priced == {AR_ARM: pytest.approx(0.025), 3: 0.05}
+    assert policy.ar_price({AR_ARM: 0.01}, 0) == {AR_ARM: 0.01}
 
 
 def test_selector_collapse_goes_to_ar_and_still_probes():

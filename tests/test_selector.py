@@ -217,3 +217,97 @@ def test_a_steady_class_is_predicted_what_its_arms_accepted():
     for _ in range(20):
         sel.observe(0, 4, None, np.full(4, 15.0))
     assert sel.accepted(0)[0][0] == pytest.approx(1.0)  # the tree of one node: one token at most
+
+
+def test_a_tree_measured_in_a_bigger_trees_rounds_is_predicted_its_own_rounds_tokens():
+    """Rounds start where the played arm put them. Here half the tree of 8's rounds start in easy
+    text (it accepts 7 tokens, the tree of 2 accepts 2) and half in hard text (both accept 0), so
+    its rounds cover 8 easy tokens per hard one. Played there, the tree of 2 needs 3 rounds for
+    every 3 easy tokens: over its own rounds, by tokens covered, it accepts
+    1 / ((8/9)/3 + (1/9)/1) - 1 = 1.45 tokens, not the 1.0 it averaged in the tree of 8's rounds."""
+    grid = np.array([2, 8])
+    sel = Selector(grid, 8)
+    easy = np.array([[2.0, 7.0]] * 2)
+    hard = np.zeros((2, 2))
+    for _ in range(150):
+        sel.observe(0, 2, easy, np.full(2, 7.0))
+        sel.observe(0, 2, hard, np.zeros(2))
+    tree, _ = sel.accepted(0)
+    assert tree[0] == pytest.approx(1 / ((8 / 9) / 3 + (1 / 9)) - 1, rel=0.05)
+    assert tree[1] == pytest.approx(3.5, rel=0.05)  # the played tree: its own average
+    rows = np.array([[2.0, 7.0], [0.0, 0.0]])  # easy and hard rows in one round weigh alike
+    sel = Selector(grid, 8)
+    for _ in range(150):
+        sel.observe(0, 2, rows, np.array([7.0, 0.0]))
+    assert sel.accepted(0)[0][0] == pytest.approx(1 / ((8 / 9) / 3 + (1 / 9)) - 1, rel=0.05)
+
+
+def test_a_few_lucky_chain_rows_do_not_lift_the_chain_over_a_measured_tree():
+    """The chain's first rows lean on the tree of its size (CHAIN_PRIOR rows): one row of 15
+    tokens and two of 8.5 do not make it the best arm where trees were measured in 40 rounds of
+    four rows to accept what it does on average. And each row weighs alike: a round of one row
+    counts a quarter of a round of four."""
+    sel = Selector(GRID, 15)
+    acc = [0.95, 1.7, 3.0, 4.4, 5.6, 5.6, 6.0]  # the tree of 15 (the chain's twin) accepts 5.6
+    for _ in range(40):
+        sel.observe(0, 4, np.tile(np.asarray(acc), (4, 1)), np.full(4, 3.0))
+    sel.observe(0, 2, None, np.full(2, 8.5))
+    sel.observe(0, 1, None, np.full(1, 15.0))
+    tree, chain = sel.accepted(0)
+    assert chain < 6.5  # (with four rounds of prior, and a round as one sample: 7.2)
+    assert sel.stats[0].weight[len(GRID)] == 3
+
+
+def test_a_seat_is_not_settled_on_ar_steps_from_a_few_rounds():
+    """Policy.admit seats a request plain for life when AR steps lead (Selector.lead). After the
+    three opening rounds AR steps predicting 1.2x the best drafting arm do not settle it (the
+    estimates are hopeful while they rest on few rounds); after a hundred rounds, AR leading by
+    far does."""
+    seconds = {a: 4 * s for a, s in _seconds(0.05).items()}
+    seconds[AR_ARM] = 2.0
+    sel = Selector(GRID, 15)
+    acc = [0.3, 0.5, 0.8, 1.0, 1.2, 1.2, 1.3]
+    for _ in range(COLD_ROUNDS):
+        sel.observe(0, 4, np.tile(np.asarray(acc), (4, 1)), np.full(4, 1.0))
+    rates = sel.rates(0, 4, seconds, seconds[AR_ARM])
+    assert rates[AR_ARM] / max(r for a, r in rates.items() if a != AR_ARM) > 1.2
+    assert sel.lead(0, 4, seconds, seconds[AR_ARM]) < 1.0
+    weak = [0.1, 0.2, 0.3, 0.3, 0.3, 0.3, 0.3]
+    for _ in range(100):
+        sel.observe(0, 4, np.tile(np.asarray(weak), (4, 1)), np.full(4, 0.3))
+    assert sel.lead(0, 4, seconds, seconds[AR_ARM]) > 1.3
+
+
+def test_drafting_arms_that_tie_play_the_cheapest():
+    """Trees of 8 and 16 predicted within 1% of each other (the bigger accepting what its extra
+    cost buys): the tree of 8 is played, not the one a hair ahead."""
+    seconds = _seconds(0.05)
+    acc8 = 4.0
+    rate8 = (1 + acc8) / seconds[3]
+    acc16 = 1.01 * rate8 * seconds[5] - 1  # the tree of 16's rate: 1.01 x the tree of 8's
+    acc = [0.9, 1.7, 3.0, acc8, acc16 - 0.2, acc16, acc16 + 0.1]
+    sel = Selector(GRID, 15)
+    arms = _play(sel, 200, acc, acc_chain=3.0, seconds=seconds)
+    assert arms[50:].count(3) > 0.8 * 150
+
+
+def test_arm_times_price_a_tree_from_trees_and_lean_on_the_pooled_trees():
+    """An untimed tree takes a timed tree's bias before the chain's, even where the chain's
+    window is nearer (the chain builds no tree: its model error is its own). A tree with three
+    slow rounds (1.5x the model) leans on the trees' pooled rounds (1.0x) until its own add up."""
+    from flashtree.engine.selector import TREE_PRIOR, ArmTimes
+
+    times = ArmTimes(lambda arm: {AR_ARM: 1, CHAIN_ARM: 16, 0: 5, 1: 9, 2: 33}[arm])
+    modelled = {AR_ARM: 1.0, CHAIN_ARM: 4.0, 0: 2.0, 1: 3.0, 2: 6.0}
+    for _ in range(5):
+        times.record(4, AR_ARM, 1.0, 1.0)
+        times.record(4, CHAIN_ARM, 6.0, 4.0)  # the chain: 1.5x its model
+        times.record(4, 2, 6.0, 6.0)  # the tree of 32: as modelled
+    out = times.seconds(4, modelled)
+    assert out[1] == pytest.approx(3.0)  # from the tree of 32, not the chain's 1.5
+    for _ in range(3):
+        times.record(4, 0, 3.0, 2.0)  # the tree of 4: three rounds at 1.5x
+    out = times.seconds(4, modelled)
+    pooled = (5 * 1.0 + 3 * 1.5) / 8  # every tree round's ratio: the median lies between
+    assert 2.0 < out[0] < 2.0 * (3 * 1.5 + TREE_PRIOR * 1.0) / (3 + TREE_PRIOR) + 1e-9
+    assert pooled < 1.5

@@ -74,6 +74,7 @@ STREAK_DECAY, STREAK_PRIOR = 0.5, 1.0  # the request's recent accepted / forecas
 CHAIN_MARGIN = 1.3  # a chain row must forecast this many times the tree's accepted tokens
 RECORD_DECAY, RECORD_PRIOR = 0.97, 4.0  # chains' accepted / planned record per class: fade per round, prior
 MAX_HOLD = 64  # rounds an all-AR plan may be reused without re-planning
+HELD_RATE = 0.1  # EMA weight of one append in the seconds per held-back token (Policy.timed)
 PROBE_ROWS = 0.25  # share of a batch's rows a probe from AR steps drafts (at least one)
 SETTLED_LEAD = 1.0  # AR steps this many times drafting's long-run rate: the class is settled on them (admit)
 SCOUT_EVERY = 8  # requests seated while their class is settled on AR steps: one in this many may draft
@@ -175,6 +176,7 @@ class Policy:
         self.hold: tuple[list[str], RoundPlan] | None = None  # an all-AR plan reused while the batch stays
         self.hold_left = 0
         self.next_probe = 0.0  # credit (seconds) the last unaffordable probe needed: a hold ends there
+        self.held_cost = 0.0  # seconds per held-back drafter context token appended (timed)
         self.selector = Selector(self.grid, self.depth)  # batches whose requests sample alike (selector.py)
         self.admitted: dict[int, int] = {}  # per class, requests seated while it was settled on AR steps
         self._arms: dict[int, tuple[int, dict[int, float], dict[int, RoundPlan]]] = {}
@@ -386,7 +388,7 @@ class Policy:
         cls = sampling_class(params)
         rows = max(1, min(self.slots, rows))
         modelled, _ = self._arm_table(rows)
-        seconds = self.times.seconds(rows, modelled)
+        seconds = self.ar_price(self.times.seconds(rows, modelled), rows)
         if self.selector.lead(cls, rows, seconds, seconds[AR_ARM]) < SETTLED_LEAD:
             return True
         self.admitted[cls] = self.admitted.get(cls, 0) + 1
@@ -405,7 +407,7 @@ class Policy:
             self.ticks += 1
             return self._arm_table(R)[1][AR_ARM]
         modelled, plans = self._arm_table(R)
-        seconds = self.times.seconds(R, modelled)
+        seconds = self.ar_price(self.times.seconds(R, modelled), len(rows))
         if len(rows) < R:  # plain rows in the batch: only the others draft, at their price
             seconds, timed = self._partial(R, len(rows), modelled, plans, seconds), None
         else:
@@ -454,11 +456,27 @@ class Policy:
                                    predicted=[predicted if i in keep else 0.0 for i in range(len(plan.modes))],
                                    cls=cls)
 
-    def timed(self, plan: RoundPlan, rows: int, seconds: float) -> None:
-        """A round the selector planned took `seconds` of wall time. Not kept under a frozen cost
-        model (tensor parallelism): every rank must price, so plan, alike."""
-        if plan.arm is not None and not self.cost.frozen and plan.drafting in (0, rows):
-            self.times.record(rows, plan.arm, seconds, plan.seconds)
+    def timed(self, plan: RoundPlan, rows: int, seconds: float, held: tuple[float, int] = (0.0, 0)) -> None:
+        """A round the selector planned took `seconds` of wall time, `held` of it (seconds, tokens)
+        appending held-back drafter context. That append is the cost of the AR steps that parked
+        the tokens, so it goes to AR's price (ar_price), not to the arm that happened to draft
+        next: a probe after a stretch of AR steps appends the whole stretch, and on the demo pair
+        at T = 0, c = 4 the chain's timed rounds, mostly such probes, stood at 1.6x the cost
+        model; the tree of 8 borrowed that bias, and AR steps were played where drafting won by
+        12%. Not kept under a frozen cost model (tensor parallelism): every rank must price, so
+        plan, alike."""
+        if self.cost.frozen:
+            return
+        if held[1]:
+            per_token = held[0] / held[1]
+            self.held_cost = per_token if not self.held_cost else self.held_cost + HELD_RATE * (per_token - self.held_cost)
+        if plan.arm is not None and plan.drafting in (0, rows):
+            self.times.record(rows, plan.arm, seconds - held[0], plan.seconds)
+
+    def ar_price(self, seconds: dict[int, float], parked: int) -> dict[int, float]:
+        """The arms' seconds with AR's carrying the held-back context its rows park (appended
+        when they draft again, or when the ring fills: draft_context.py)."""
+        return seconds | {AR_ARM: seconds[AR_ARM] + self.held_cost * parked}
 
     def _arm_table(self, R: int) -> tuple[dict[int, float], dict[int, RoundPlan]]:
         """Per arm that fits a batch of R (max_round_tokens), its predicted seconds and its plan;

@@ -336,9 +336,12 @@ class ModelRunner:
         batch, roots, ring_rows = self.inputs.upload(slots, starts, [r.bonus for r in reqs], ring)
         sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device, self.sampling_inputs)
         staged, flush = self.stage(plan, reqs)
+        held = (0.0, 0)  # the held-back context appended this round: seconds, tokens
         if flush:
+            f0 = time.perf_counter()
             with self.clock.stage("draft"):
                 self.append_held(flush, staged)
+            held = (time.perf_counter() - f0, sum(n * len(group) for n, group in flush.items()))
         spec, values = self.draft(batch, roots, plan, staged)
         with self.clock.stage("verify"):
             features = self.drafter is not None and (plan.drafting > 0 or any(parking))
@@ -363,7 +366,7 @@ class ModelRunner:
             # throughput is tokens over wall time. A long gap is an idle engine, not work.
             end = time.perf_counter()
             gap = t0 - self._last_end if self._last_end is not None else 0.0
-            self.learn(plan, slots, counts, host_extras, end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0))
+            self.learn(plan, slots, counts, host_extras, end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0), held)
             self._last_end = time.perf_counter()
         return emitted, dict(self.clock.seconds), logprobs
 
@@ -532,9 +535,13 @@ class ModelRunner:
         parts += [values["spine"], values["mass"].flatten(1), obs.flatten(1)]
         return torch.cat(parts, 1)
 
-    def learn(self, plan: RoundPlan, slots: list[int], counts: list[int], extras, seconds: float) -> None:
+    def learn(self, plan: RoundPlan, slots: list[int], counts: list[int], extras, seconds: float,
+              held: tuple[float, int] = (0.0, 0)) -> None:
+        """Fold in a round. held: the seconds and tokens of held-back context it appended, a
+        cost of the AR steps that parked them, not of this round's arm (Policy.timed)."""
         self.policy.observe(plan, slots, extras, [c - 1 for c in counts])
-        self.policy.timed(plan, len(slots), seconds)
+        self.policy.timed(plan, len(slots), seconds, held)
+        seconds -= held[0]
         if self.policy.rounds % (DRAFT_REFINE_EVERY if plan.drafting else AR_REFINE_EVERY):
             return  # a sample of the rounds keeps the model current (timed arms are priced as timed)
         s = self.clock.seconds

@@ -55,18 +55,20 @@ LONG_RATE = 0.002  # ... and in the long-run level: what a request seated now ma
 BASE_DEPTH = 3  # the level counts the accepted path's first BASE_DEPTH spine nodes
 SHAPE_PRIOR = 0.5  # P: base tokens added to both sides of a shape, so it stays finite where the base is ~0
 KNOWN = 3  # rounds of evidence before an arm's estimate is trusted
-CHAIN_PRIOR = 4  # rounds' worth of weight the tree of the chain's size has in the chain's estimate
+CHAIN_PRIOR = 16  # rows' worth of weight the tree of the chain's size has in the chain's estimate
 COLD_ROUNDS = 3  # drafting rounds a new class opens with (the exploration tree)
 COLD_COST = 2.0  # the opening tree may cost this many times the cheapest drafting round
 EXPLORE_SHARE = 0.015  # share of round time that pays for exploration while drafting wins (0.03 lost 2-4%)
 PROBE_MIN = 0.002  # ... and where AR wins by a wide margin
 HOLD_MAX = 64  # AR rounds decided at once, at most
 AR_MARGIN = 1.03  # a drafting arm is played over AR steps only where it predicts this much more
+TIE = 1.02  # drafting arms predicted within this factor of the best tie: the cheapest is played
 PROBE_PRICE = 0.25  # a probe from AR steps after one that left AR ahead costs at least this share
 #                     of its round: near parity (hopeful above AR's rate) probes were free, so every
 #                     other round drafted. The first of a stretch stays cheap: a dip recovers fast.
 STALE_WEIGHT = 8  # a drafting round after a stretch of AR steps moves the level as up to this many would
 TIME_WINDOW, TIMED = 16, 3  # timed rounds kept per (batch size, arm); how many make its bias
+TREE_PRIOR = 8  # rounds' worth of weight the trees' pooled bias has in one tree's (ArmTimes)
 LOAD_WINDOW = 5  # timed rounds whose median is the machine's load (ArmTimes): a round that also
 #                 flushed held-back context does not move it, a lasting change of speed does in 3
 AR_ARM, CHAIN_ARM = -2, -1  # arms: AR, the chain, or a tree grid column (>= 0)
@@ -86,6 +88,12 @@ class ClassStats:
     den: list[float]  #  on a small target each numpy call between two forwards costs ~10 us)
     seen: list[float]
     measured_at: list[float]
+    weight: list[float]  # rows of evidence per arm (a round weighs as its rows)
+    # Per tree column, over the rounds that measured it (see pace): slow averages of the played
+    # tree's tokens per row, of those over the column's, and of the column's.
+    cover: list[float]
+    steps: list[float]
+    plain: list[float]
     clock: int = 0  # rounds of this class, AR steps included
     level: float = 0.0
     long_level: float = 0.0  # the base's long-run average (lead)
@@ -115,7 +123,9 @@ class Selector:
     def _class(self, cls: int) -> ClassStats:
         if cls not in self.stats:
             n = len(self.grid) + 1
-            self.stats[cls] = ClassStats([0.0] * n, [0.0] * n, [0.0] * n, [-math.inf] * n)
+            g = len(self.grid)
+            self.stats[cls] = ClassStats([0.0] * n, [0.0] * n, [0.0] * n, [-math.inf] * n, [0.0] * n,
+                                         [1.0] * g, [1.0] * g, [1.0] * g)
         return self.stats[cls]
 
     # ---- estimates ---------------------------------------------------------------------------
@@ -139,7 +149,7 @@ class Selector:
         if not seen:
             tree = [0.0] * G
         else:
-            tree = [x * scale for x in shape[:G]]
+            tree = [(1.0 + x * scale) * self._pace(s, k) - 1.0 for k, x in enumerate(shape[:G])]
             j = seen[-1]
             step = tree[j] - (tree[j - 1] if j > 0 else 0.0)
             for k in range(j + 1, G):
@@ -148,12 +158,30 @@ class Selector:
             top = -math.inf
             for k in range(G):
                 top = tree[k] = max(top, min(tree[k], self.caps[k]))
-        # The chain is measured only by its own rounds, one round is a noisy sample (0 to depth
-        # tokens), so its first few lean on the tree of its size.
+        # The chain is measured only by its own rounds, and a row is a noisy sample (0 to depth
+        # tokens), so its first few dozen rows lean on the tree of its size. (With four rounds of
+        # prior, on the demo pair at T = 0, c = 4, two lucky rounds of three rows, 8.5 and 15
+        # tokens, took its estimate from 4.9 to 7.2 where its own rounds accepted 5.6, and it was
+        # played over the tree of 6, the best arm there, for 40 rounds.)
         like = tree[self.chain_twin]
-        w = s.seen[G] / (s.seen[G] + CHAIN_PRIOR)
+        w = s.weight[G] / (s.weight[G] + CHAIN_PRIOR)
         chain = w * min(shape[G] * scale, self.depth) + (1.0 - w) * like
         return tree, chain
+
+    @staticmethod
+    def _pace(s: ClassStats, j: int) -> float:
+        """Tree column j's tokens per round when played, over its average in the rounds that
+        measured it. Those rounds start where the arms played put them, and a bigger tree (or
+        the chain) moves through a run of easy text in fewer rounds than column j would: its
+        rounds start there less often than j's own would, and j's average over them comes out
+        low. Weighting each measured row by the tokens its round covered over what j would have
+        covered there gives j's own rounds (exact where acceptance holds steady over a round's
+        span; the played column's factor is 1). On the demo pair at T = 0, c = 4, the tree of 8
+        averaged 4.17 tokens over the tree of 24's rounds and 4.05 over the tree of 15's, where
+        its own rounds accepted 4.36: this takes the first to 4.28."""
+        if s.steps[j] <= 0 or s.plain[j] <= 0:
+            return 1.0
+        return s.cover[j] / (s.steps[j] * s.plain[j])
 
     def chain_column(self) -> int:
         return int(np.searchsorted(self.grid, self.depth))
@@ -206,6 +234,12 @@ class Selector:
         best = max(known, key=lambda a: known[a] * (1.0 if a == AR_ARM else 1.0 / self.margin))
         if best != AR_ARM:
             s.probes = 0
+            # Near a tie, the cheapest round: estimates err by a few percent, and the bigger a
+            # tree the more its tokens rest on extrapolated increments and deep, streaky nodes.
+            # On the demo pair at T = 0, c = 4, trees of 8 to 15 were predicted within 1% of each
+            # other, the tree of 12 was played, and ddtree-8 ran 5-8% faster.
+            bar = known[best] / TIE
+            best = min((a for a in known if a != AR_ARM and known[a] >= bar), key=seconds.get)
         # Optimism where an arm's acceptance or its seconds at this batch size rest on few rounds.
         timed = timed or {}
         hope = {a: rates[a] * (1.0 + 1.0 / math.sqrt(1.0 + self._evidence(s, a, timed.get(a, TIMED))))
@@ -267,7 +301,13 @@ class Selector:
             return 0.0
         scale = (s.long_level + SHAPE_PRIOR) / (s.level + SHAPE_PRIOR)
         rates = self.rates(cls, rows, seconds, ar_seconds, scale=scale)
-        drafts = [r for a, r in self._known(s, rates).items() if a != AR_ARM]
+        # Hopeful, as choose's exploration: a seat is for life, and early estimates run low (the
+        # opening tree's rounds). On the demo pair at T = 0, c = 4, AR steps led by 1.23 after the
+        # three opening rounds, where drafting won by 12%: every request seated from then on
+        # took AR steps (0.90x the best). Where drafts never pay (T = 1: AR leads 2-3x), the
+        # hope does not keep requests speculative for long.
+        drafts = [r * (1.0 + 1.0 / math.sqrt(1.0 + self._seen(s, a)))
+                  for a, r in self._known(s, rates).items() if a != AR_ARM]
         return rates[AR_ARM] / max(drafts) if drafts else 0.0
 
     def _known(self, s: ClassStats, rates: dict[int, float]) -> dict[int, float]:
@@ -328,15 +368,28 @@ class Selector:
         long = max(1.0 - (1.0 - LONG_RATE) ** rows, 1.0 / s.rounds)
         s.long_level += long * (b - s.long_level)
         s.gap = 1
-        if tree is not None and tree.size:
+        if tree is not None and tree.shape[1]:
             # Per column, what it accepts over the next smaller one, measured in the same rounds
             # (one round measures both exactly): a column's own average over the rounds that
             # reached it drifts from its neighbour's, which were other rounds. On the demo pair at
             # T = 0, c = 1 the tree of 12 had measured 2.03 x the base and the tree of 15 1.73 x:
             # the tree of 12 was predicted 5.3 tokens where its own rounds accepted 4.2, and every
             # bigger tree as much (a bigger tree never accepts less).
-            x = tree.mean(0).tolist()
+            # (One tolist, then plain Python: between two forwards each numpy call costs ~10 us,
+            # and this ran at 145 us a round as numpy.)
+            table = tree.tolist()
+            n = len(table)
+            x = [sum(col) / n for col in zip(*table)]
             self._fold(s, 0, [x[0]] + [x[j] - x[j - 1] for j in range(1, len(x))], b, rows)
+            cover = [1.0 + r[-1] for r in table]  # the played tree's tokens per row (its column is the last)
+            steps = [sum(c / (1.0 + v) for c, v in zip(cover, col)) / n for col in zip(*table)]
+            step = 1.0 - (1.0 - self.shape_rate) ** rows
+            c = sum(cover) / n
+            for j, (h, m) in enumerate(zip(steps, x)):
+                u = max(step, rows / s.weight[j])  # as _fold's (which counted this round already)
+                s.cover[j] += u * (c - s.cover[j])
+                s.steps[j] += u * (h - s.steps[j])
+                s.plain[j] += u * (1.0 + m - s.plain[j])
         else:
             self._fold(s, G, [sum(run) / len(run)], b, rows)
 
@@ -344,11 +397,11 @@ class Selector:
         """Entries first.. take the round's accepted tokens xs and its base."""
         step = 1.0 - (1.0 - self.shape_rate) ** rows
         for i, x in enumerate(xs, first):
-            n = s.seen[i]
-            w = max(step, 1.0 / (n + 1))
+            s.weight[i] += rows
+            w = max(step, rows / s.weight[i])  # a plain average (by rows) until the EMA takes over
             s.num[i] += w * (x - s.num[i])
             s.den[i] += w * (base - s.den[i])
-            s.seen[i] = n + 1
+            s.seen[i] += 1
             s.measured_at[i] = s.clock
 
     def idle(self, cls: int) -> None:
@@ -362,10 +415,13 @@ class ArmTimes:
     """What each arm's rounds cost, per batch size, as three factors: the cost model's seconds,
     the machine's load, and the arm's bias. The load is the median of the last LOAD_WINDOW timed
     rounds' seconds over the model's, each divided by its arm's bias. An arm's bias is the median
-    of its last TIME_WINDOW rounds' ratios over the load of their time (robust to a round that
-    also flushed held-back context), once TIMED of them are in; an arm with fewer takes the
-    bias of the timed drafting arm of the nearest window (the model's error depends on the
-    shape: a global scale priced the tree of 8 a third too high on the demo pair).
+    of its last TIME_WINDOW rounds' ratios over the load of their time (robust to a slow round),
+    once TIMED of them are in; an arm with fewer takes the bias of the timed drafting arm
+    nearest to it (the model's error depends on the shape: a global scale priced the tree of 8
+    a third too high on the demo pair). A tree's median leans on the median of every tree's
+    rounds at that batch size until its own rounds add up (TREE_PRIOR): three rounds are a
+    noisy median, and on the demo pair at T = 0, c = 4 the tree of 8 stood 18% above its fixed
+    method's rounds from four of them (the tree of 24 was played), the tree of 6 at 1.29.
 
     Arms are played in different stretches, and on a shared machine stretches run at different
     speeds. Priced by their own rounds' medians, on the demo pair at T = 0, c = 4, the tree of 8
@@ -376,6 +432,8 @@ class ArmTimes:
         self.window = window  # arm -> the verify window it runs (nearest windows share model errors)
         self.rounds: dict[tuple[int, int], deque] = {}  # per (rows, arm): its rounds' ratios over the load
         self.bias: dict[tuple[int, int], float] = {}
+        self.own: dict[int, dict[int, tuple[float, int]]] = {}  # per batch size, per tree: its median, rounds
+        self.trees: dict[int, deque] = {}  # per batch size: every tree round's ratio over the load
         self.stale: set[tuple[int, int]] = set()  # keys with rounds newer than their bias
         self.load = 0.0  # seconds over the model's, for an arm of bias 1 (0: nothing timed yet)
         self.recent: deque = deque(maxlen=LOAD_WINDOW)  # the last rounds' load
@@ -398,13 +456,29 @@ class ArmTimes:
         if key not in self.rounds:
             self.rounds[key] = deque(maxlen=TIME_WINDOW)
         self.rounds[key].append(ratio / self.load)
+        if arm >= 0:
+            if rows not in self.trees:
+                self.trees[rows] = deque(maxlen=2 * TIME_WINDOW)
+            self.trees[rows].append(ratio / self.load)
         self.stale.add(key)
 
     def _update(self) -> None:
+        sizes = set()
         for key in self.stale:
             ratios = self.rounds[key]
-            if len(ratios) >= TIMED:
+            if key[1] >= 0:
+                self.own.setdefault(key[0], {})[key[1]] = (statistics.median(ratios), len(ratios))
+                sizes.add(key[0])
+            elif len(ratios) >= TIMED:
                 self.bias[key] = statistics.median(ratios)
+        for rows in sizes:  # the trees' pooled median moved: every tree's bias at this size
+            pool = self.trees[rows]
+            prior = statistics.median(pool) if len(pool) >= TIMED else None
+            for arm, (median, n) in self.own[rows].items():
+                if prior is not None:
+                    self.bias[rows, arm] = (n * median + TREE_PRIOR * prior) / (n + TREE_PRIOR)
+                elif n >= TIMED:
+                    self.bias[rows, arm] = median
         self.stale.clear()
 
     def counts(self, rows: int, arms) -> dict[int, int]:
@@ -441,11 +515,15 @@ class ArmTimes:
         return {a: self.bias[near, a] for a in modelled if (near, a) in self.bias} | own
 
     def _nearest(self, arm: int, arms: tuple[int, ...]) -> list[int]:
-        """The drafting arms by how near their window is to arm's (sorted once per arm set)."""
+        """The drafting arms by how near they are to arm: trees before the chain for a tree (the
+        chain builds no tree, so its model error says little about a tree's), then by window
+        (sorted once per arm set). By window alone the tree of 8 took the chain's bias, 1.5 from
+        three slow rounds, and the tree of 16 was played in its place, 10% slower."""
         key = (arm, arms)
         if key not in self._near:
             w = self.window(arm)
             self._near[key] = sorted((a for a in arms if a != AR_ARM),
-                                     key=lambda x: abs(math.log(self.window(x) / w)))
+                                     key=lambda x: ((x == CHAIN_ARM) != (arm == CHAIN_ARM),
+                                                    abs(math.log(self.window(x) / w))))
         return self._near[key]
 
