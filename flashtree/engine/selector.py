@@ -234,12 +234,15 @@ class Selector:
         best = max(known, key=lambda a: known[a] * (1.0 if a == AR_ARM else 1.0 / self.margin))
         if best != AR_ARM:
             s.probes = 0
-            # Near a tie, the cheapest round: estimates err by a few percent, and the bigger a
+            # Trees near a tie: the cheapest. Estimates err by a few percent, and the bigger a
             # tree the more its tokens rest on extrapolated increments and deep, streaky nodes.
             # On the demo pair at T = 0, c = 4, trees of 8 to 15 were predicted within 1% of each
-            # other, the tree of 12 was played, and ddtree-8 ran 5-8% faster.
-            bar = known[best] / TIE
-            best = min((a for a in known if a != AR_ARM and known[a] >= bar), key=seconds.get)
+            # other, the tree of 12 was played, and ddtree-8 ran 5-8% faster. (Not the chain:
+            # it is measured only where it is played, and at c = 1, where it wins, a cheaper
+            # tree near it took its rounds.)
+            if best >= 0:
+                bar = known[best] / TIE
+                best = min((a for a in known if a >= 0 and known[a] >= bar), key=seconds.get)
         # Optimism where an arm's acceptance or its seconds at this batch size rest on few rounds.
         timed = timed or {}
         hope = {a: rates[a] * (1.0 + 1.0 / math.sqrt(1.0 + self._evidence(s, a, timed.get(a, TIMED))))
