@@ -253,7 +253,7 @@ def test_a_few_lucky_chain_rows_do_not_lift_the_chain_over_a_measured_tree():
         sel.observe(0, 4, np.tile(np.asarray(acc), (4, 1)), np.full(4, 3.0))
     sel.observe(0, 2, None, np.full(2, 8.5))
     sel.observe(0, 1, None, np.full(1, 15.0))
-    tree, chain = sel.accepted(0)
+    _, chain = sel.accepted(0)
     assert chain < 6.5  # (with four rounds of prior, and a round as one sample: 7.2)
     assert sel.stats[0].weight[len(GRID)] == 3
 
