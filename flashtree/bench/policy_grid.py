@@ -12,7 +12,9 @@ grid ran before, let the batch drain within every wave: speculation spreads the 
 times, and the tail rounds of a few rows weighed on every speculating cell.) Every cell runs a
 stream at the same time, one engine step each in turn (the first to step rotated from stream to
 stream), so drift and other processes on the machine fall on all cells alike: a grid that ran
-each cell's stream back to back measured two engines doing the same work 5-20% apart. A cell's
+each cell's stream back to back measured two engines doing the same work 5-20% apart. Since
+this release a turn is a slice of about 50 ms of a cell's steps, not one step (run_interleaved):
+one step each put every cell's steps on the caches of the cell before it. A cell's
 throughput is its output tokens over the wall time of its own steps. (Between two rounds of an
 engine the others step, so auto's round timings leave out its own work between rounds, which
 they count when an engine runs alone; the cell's time has it.) Every cell first runs one
@@ -45,6 +47,7 @@ CONCURRENCY = [1, 4, 16]
 BUDGETS = [4, 8, 16, 32, 64]
 GOAL = 0.97  # auto's throughput against the best cell and against ar
 CHUNK = 4  # prompts per stream, in multiples of the concurrency: cells take turns stream by stream
+SLICE = 0.05  # seconds of its own steps a cell runs before the next one steps (run_interleaved)
 
 
 @dataclass
@@ -143,12 +146,24 @@ class Stream:
         return False
 
 
-def run_interleaved(streams: list[Stream]) -> None:
-    """Run the streams step by step in turn, so that whatever else slows the machine falls on
-    every cell alike, within milliseconds (not on whichever cell ran during that stretch)."""
+def run_interleaved(streams: list[Stream], slice_seconds: float = SLICE) -> None:
+    """Run the streams in turn, each for a slice of about `slice_seconds` of its own steps, so
+    that whatever else slows the machine falls on every cell alike within a fraction of a second
+    (not on whichever cell ran during that stretch). One step each in turn put every step right
+    after another engine's, on caches that engine had filled, and the order is fixed: the cell
+    after the heaviest ran cold. Two identical auto engines at T = 1, c = 4 measured 0.955x and
+    0.989x `ar`, the slower one stepping after ddtree-8. In slices each engine runs warm but for
+    its first step, as it would serving alone."""
     active = list(streams)
     while active:
-        active = [s for s in active if s.step()]
+        still = []
+        for s in active:
+            t0 = time.perf_counter()
+            while s.step():
+                if time.perf_counter() - t0 >= slice_seconds:
+                    still.append(s)
+                    break
+        active = still
 
 
 def run_stream(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], cell: GridCell,
