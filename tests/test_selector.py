@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashtree.engine.selector import AR_ARM, CHAIN_ARM, COLD_ROUNDS, Selector
+from flashtree.engine.selector import AR_ARM, CHAIN_ARM, COLD_ROUNDS, KEEP_MAX, Selector
 from flashtree.tree import accept_walk, build_chain, build_tree
 from flashtree.tree.markov import build_markov_chain, build_markov_tree
 from flashtree.tree.value import accepted_by_size, spine_mask, spine_run
@@ -64,10 +64,13 @@ def test_one_tree_measures_every_smaller_tree_and_the_chain(markov):
 
 
 def _play(sel: Selector, rounds: int, acc_tree, acc_chain: float, seconds: dict, rows: int = 1) -> list[int]:
-    """Rounds where a tree of column j accepts acc_tree[j] per row and the chain acc_chain."""
+    """Rounds where a tree of column j accepts acc_tree[j] per row and the chain acc_chain; the
+    arm comes as Policy._select takes it (decided ahead, or chosen)."""
     arms = []
     for _ in range(rounds):
-        arm = sel.choose(0, rows, seconds, seconds[AR_ARM])
+        arm = sel.kept(0, rows)
+        if arm is None:
+            arm = sel.choose(0, rows, seconds, seconds[AR_ARM])
         arms.append(arm)
         if arm == CHAIN_ARM:
             sel.observe(0, rows, None, np.full(rows, acc_chain))
@@ -311,3 +314,40 @@ def test_arm_times_price_a_tree_from_trees_and_lean_on_the_pooled_trees():
     pooled = (5 * 1.0 + 3 * 1.5) / 8  # every tree round's ratio: the median lies between
     assert 2.0 < out[0] < 2.0 * (3 * 1.5 + TREE_PRIOR * 1.0) / (3 + TREE_PRIOR) + 1e-9
     assert pooled < 1.5
+
+
+def _count_kept(sel: Selector) -> list[bool]:
+    """Per round from now: whether its arm was decided ahead (Selector.kept)."""
+    flags: list[bool] = []
+    kept = sel.kept
+    sel.kept = lambda *a: _record(flags, kept(*a))
+    return flags
+
+
+def _record(flags: list[bool], arm):
+    flags.append(arm is not None)
+    return arm
+
+
+def test_a_clear_lead_is_decided_ahead_and_a_near_tie_is_not():
+    """The chain leading every other arm by far: most rounds take the arm decided ahead (no
+    choice computed), never more than KEEP_MAX in a row, and the exploration credit still
+    accrues in them (the stale trees are re-measured). Two arms within 1%: every round is chosen."""
+    seconds = _seconds(0.01)
+    sel = Selector(GRID, 15)
+    kept = _count_kept(sel)
+    arms = _play(sel, 300, [0.9, 1.7, 2.5, 3.0, 3.2, 3.2, 3.3], acc_chain=6.0, seconds=seconds)
+    assert sum(kept) > 0.5 * 300 and arms[50:].count(CHAIN_ARM) > 0.9 * 250
+    assert any(a >= 0 for a in arms[50:])  # explored from kept rounds' credit
+    run = longest = 0
+    for k in kept:
+        run = run + 1 if k else 0
+        longest = max(longest, run)
+    assert longest == KEEP_MAX
+
+    rate15 = (1 + 5.0) / seconds[4]
+    chain = 1.005 * rate15 * seconds[CHAIN_ARM] - 1  # 0.5% ahead of the tree of 15
+    sel = Selector(GRID, 15)
+    kept = _count_kept(sel)
+    _play(sel, 200, [0.9, 1.7, 2.5, 3.5, 5.0, 5.0, 5.1], acc_chain=chain, seconds=seconds)
+    assert not any(kept)

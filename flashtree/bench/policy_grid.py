@@ -10,11 +10,11 @@ fresh seeds where there are fewer than CHUNK x c of them, so that even at the hi
 concurrency most rounds run at a steady load. (Waves of c requests submitted together, as this
 grid ran before, let the batch drain within every wave: speculation spreads the rows' finishing
 times, and the tail rounds of a few rows weighed on every speculating cell.) Every cell runs a
-stream at the same time, one engine step each in turn (the first to step rotated from stream to
-stream), so drift and other processes on the machine fall on all cells alike: a grid that ran
-each cell's stream back to back measured two engines doing the same work 5-20% apart. Since
-this release a turn is a slice of about 50 ms of a cell's steps, not one step (run_interleaved):
-one step each put every cell's steps on the caches of the cell before it. A cell's
+stream at the same time, in turns of about 50 ms of its own steps, the cells taken in a new
+random order each pass (run_interleaved), so drift and other processes on the machine fall on
+all cells alike: a grid that ran each cell's stream back to back measured two engines doing
+the same work 5-20% apart, and in a fixed order each cell's turns started on the caches of the
+same neighbour (auto, taking AR steps only, ran at 0.90x or 1.09x `ar` by its place). A cell's
 throughput is its output tokens over the wall time of its own steps. (Between two rounds of an
 engine the others step, so auto's round timings leave out its own work between rounds, which
 they count when an engine runs alone; the cell's time has it.) Every cell first runs one
@@ -30,6 +30,7 @@ so with seed-exact sampling every cell produces the same tokens: the table check
 from __future__ import annotations
 
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -62,7 +63,7 @@ class PolicyGridSpec:
     suites: list[str] = field(default_factory=lambda: ["code", "prose"])
     num_prompts: int = 16  # per (temperature, concurrency) cell, taken from the suites in turn
     max_tokens: int = 64
-    passes: int = 2  # times each cell runs every wave (cells rotated per wave and pass)
+    passes: int = 2  # times each cell runs every stream
     seed: int = 0
 
     def validate(self) -> None:
@@ -146,17 +147,19 @@ class Stream:
         return False
 
 
-def run_interleaved(streams: list[Stream], slice_seconds: float = SLICE) -> None:
+def run_interleaved(streams: list[Stream], slice_seconds: float = SLICE, seed: int = 0) -> None:
     """Run the streams in turn, each for a slice of about `slice_seconds` of its own steps, so
     that whatever else slows the machine falls on every cell alike within a fraction of a second
-    (not on whichever cell ran during that stretch). One step each in turn put every step right
-    after another engine's, on caches that engine had filled, and the order is fixed: the cell
-    after the heaviest ran cold. Two identical auto engines at T = 1, c = 4 measured 0.955x and
-    0.989x `ar`, the slower one stepping after ddtree-8. In slices each engine runs warm but for
-    its first step, as it would serving alone."""
+    (not on whichever cell ran during that stretch). Each pass over the streams takes them in a
+    new random order (seeded): a slice's first steps run on the caches the slice before it left,
+    and in a fixed order every cell always followed the same one. At T = 1, c = 4, with `ar`
+    after auto and auto after dflash, auto ran at 0.90x `ar`; with auto after `ar` and `ar` after
+    dflash, at 1.09x; both take AR steps only. (One step each in turn had the same bias, larger.)"""
+    rng = random.Random(seed)
     active = list(streams)
     while active:
         still = []
+        rng.shuffle(active)
         for s in active:
             t0 = time.perf_counter()
             while s.step():
@@ -211,11 +214,10 @@ def run_policy_grid(spec: PolicyGridSpec, progress: bool = True) -> dict:
                 chunk = [ids[i % len(ids)] for i in range(start, stop)]
                 params = [SamplingParams(temperature=t, max_tokens=spec.max_tokens, seed=spec.seed + i,
                                          ignore_eos=True) for i in range(start, stop)]
-                k = w % len(labels)  # (which cell steps first, rotated)
                 bar.set_postfix_str(f"T={t:g} c={c} stream {w + 1}", refresh=False)
                 run_interleaved([Stream(engines[c, label], chunk, params,
                                         cells.setdefault((t, c, label), GridCell(t, c, label)), c, keep=w < len(chunks))
-                                 for label in labels[k:] + labels[:k]])
+                                 for label in labels], seed=spec.seed + 1 + w)
                 bar.update(len(labels))
     bar.close()
     return {"spec": vars(spec), "cells": cells, "seconds": time.perf_counter() - started, "load_average_start": load,

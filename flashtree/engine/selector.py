@@ -60,6 +60,8 @@ COLD_COST = 2.0  # the opening tree may cost this many times the cheapest drafti
 EXPLORE_SHARE = 0.015  # share of round time that pays for exploration while drafting wins (0.03 lost 2-4%)
 PROBE_MIN = 0.002  # ... and where AR wins by a wide margin
 HOLD_MAX = 64  # AR rounds decided at once, at most
+KEEP_MAX, KEEP_STEP = 4, 0.01  # drafting rounds decided at once, at most; the lead each one needs
+KEEP_AFTER = 16  # rounds of a class before a drafting choice is kept for more than its round
 AR_MARGIN = 1.03  # a drafting arm is played over AR steps only where it predicts this much more
 TIE = 1.02  # drafting arms predicted within this factor of the best tie: the cheapest is played
 PROBE_PRICE = 0.25  # a probe from AR steps after one that left AR ahead costs at least this share
@@ -102,6 +104,7 @@ class ClassStats:
     changed: bool = True
     estimate: tuple = ()  # accepted()'s, until the next observation
     hold: tuple = (0, 0, 0.0)  # AR steps decided ahead: (rows, rounds left, credit per round)
+    keep: tuple = (0, 0, AR_ARM, 0.0)  # a drafting arm decided ahead: (rows, rounds left, arm, credit per round)
     probes: int = 0  # probes from AR steps since a drafting arm was last the best
 
 
@@ -217,6 +220,7 @@ class Selector:
         trusted). speculative: rows that may draft (the others take AR steps in any arm)."""
         s = self._class(cls)
         self.probing = False  # set when the arm returned is a probe from AR steps
+        s.keep = (0, 0, AR_ARM, 0.0)
         drafting = [a for a in seconds if a != AR_ARM]
         if not drafting:
             return AR_ARM
@@ -231,6 +235,7 @@ class Selector:
         # Drafting must beat AR steps by a margin: near parity the noise of its estimate, and the
         # held-back context its first round appends, decide.
         best = max(known, key=lambda a: known[a] * (1.0 if a == AR_ARM else 1.0 / self.margin))
+        tied: list[int] = []  # trees the tie rule passed over for the cheapest
         if best != AR_ARM:
             s.probes = 0
             # Trees near a tie: the cheapest. Estimates err by a few percent, and the bigger a
@@ -241,7 +246,8 @@ class Selector:
             # tree near it took its rounds.)
             if best >= 0:
                 bar = known[best] / TIE
-                best = min((a for a in known if a >= 0 and known[a] >= bar), key=seconds.get)
+                tied = [a for a in known if a >= 0 and known[a] >= bar]
+                best = min(tied, key=seconds.get)
         # Optimism where an arm's acceptance or its seconds at this batch size rest on few rounds.
         timed = timed or {}
         hope = {a: rates[a] * (1.0 + 1.0 / math.sqrt(1.0 + self._evidence(s, a, timed.get(a, TIMED))))
@@ -295,7 +301,35 @@ class Selector:
                 # Nothing changes until the credit covers that probe: hold AR steps till then.
                 per_round = share * seconds[AR_ARM]
                 s.hold = (rows, min(HOLD_MAX, math.ceil((price - s.credit) / per_round)) - 1, per_round)
+        if best != AR_ARM and s.rounds >= KEEP_AFTER:
+            self._keep(s, rows, best, known, tied, share * seconds[best])
         return best
+
+    def _keep(self, s: ClassStats, rows: int, best: int, known: dict[int, float], tied: list[int],
+              per_round: float) -> None:
+        """Decide the next rounds ahead where the best drafting arm leads its rival (AR steps
+        at the margin; not the trees its tie rule passed over) by KEEP_STEP per round: a round
+        moves a shape by about a percent at most once its arm rests on a hundred rows, and the
+        level scales every drafting arm alike. The choice costs as much host time as a quarter
+        of a round's verify on the demo pair at c = 1 (its caches cold after the forward): at
+        T = 0, c = 1, auto forced onto the chain ran 2-4% behind the fixed dflash."""
+        rival = max((r * (self.margin if a == AR_ARM else 1.0) for a, r in known.items()
+                     if a != best and a not in tied), default=0.0)
+        if rival <= 0:
+            return
+        ahead = min(KEEP_MAX, int((known[best] / rival - 1.0) / KEEP_STEP))
+        if ahead > 0:
+            s.keep = (rows, ahead, best, per_round)
+
+    def kept(self, cls: int, rows: int) -> int | None:
+        """The drafting arm decided ahead for this round (see _keep), or None: choose decides."""
+        s = self._class(cls)
+        if s.keep[1] <= 0 or s.keep[0] != rows:
+            return None
+        s.keep = (rows, s.keep[1] - 1, s.keep[2], s.keep[3])
+        s.credit += s.keep[3]
+        self.probing = False
+        return s.keep[2]
 
     def lead(self, cls: int, rows: int, seconds: dict[int, float], ar_seconds: float) -> float:
         """AR's predicted rate over the best measured drafting arm's at these prices (0 while the
@@ -353,7 +387,7 @@ class Selector:
 
     # ---- learning ----------------------------------------------------------------------------
 
-    def observe(self, cls: int, rows: int, tree: np.ndarray | None, run: np.ndarray) -> None:
+    def observe(self, cls: int, rows: int, tree: np.ndarray | None, run: np.ndarray | list[int]) -> None:
         """One drafting round of `rows` rows. run [rows]: the accepted path's run along the spine
         (a chain round: the chain's accepted tokens). tree [rows, cols]: a tree round's accepted
         tokens at each tree column it measured (None: a chain round). A tree's spine may end
@@ -364,7 +398,7 @@ class Selector:
         s.rounds += 1
         s.changed = True
         s.hold = (0, 0, 0.0)
-        run = run.tolist()
+        run = run.tolist() if isinstance(run, np.ndarray) else run
         b = sum(min(r, BASE_DEPTH) for r in run) / len(run)
         # After a stretch of AR steps the level is stale: this round's news counts for the rounds
         # missed (up to STALE_WEIGHT), or one probe would hardly move a level that fell in a
