@@ -264,8 +264,8 @@ def test_a_few_lucky_chain_rows_do_not_lift_the_chain_over_a_measured_tree():
 def test_a_seat_is_not_settled_on_ar_steps_from_a_few_rounds():
     """Policy.admit seats a request plain for life when AR steps lead (Selector.lead). After the
     three opening rounds AR steps predicting 1.2x the best drafting arm do not settle it (the
-    estimates are hopeful while they rest on few rounds); after a hundred rounds, AR leading by
-    far does."""
+    estimates are hopeful while they rest on the opening rounds); after a hundred rounds, AR
+    leading by far does, and AR leading by 10% does too (no hope once past the opening)."""
     seconds = {a: 4 * s for a, s in _seconds(0.05).items()}
     seconds[AR_ARM] = 2.0
     sel = Selector(GRID, 15)
@@ -279,6 +279,10 @@ def test_a_seat_is_not_settled_on_ar_steps_from_a_few_rounds():
     for _ in range(100):
         sel.observe(0, 4, np.tile(np.asarray(weak), (4, 1)), np.full(4, 0.3))
     assert sel.lead(0, 4, seconds, seconds[AR_ARM]) > 1.3
+    far = sel.lead(0, 4, seconds, seconds[AR_ARM])
+    near = {a: s * 1.1 / far for a, s in seconds.items()}  # drafting priced so that AR steps lead by 10%
+    near[AR_ARM] = seconds[AR_ARM]
+    assert sel.lead(0, 4, near, near[AR_ARM]) == pytest.approx(1.1)
 
 
 def test_drafting_arms_that_tie_play_the_cheapest():
