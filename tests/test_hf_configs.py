@@ -291,7 +291,10 @@ def test_hub_shaped_config_loads_to_hf_logits(tmp_path, name):
     with torch.no_grad():
         ref = hf(ids).logits
         out = ours(ids, ForwardContext.prefill(cache, [0], ids.shape[1])).logits
-    assert (out - ref).abs().max() < 1e-4
+    # float32 rounding, which the hybrid MoE case's recurrent layers accumulate along the
+    # sequence: up to 2e-4 by the last of 29 tokens on one CPU (1e-4 passed on another); a
+    # wrong layer or routing is off by 1e-2 or more.
+    torch.testing.assert_close(out, ref, atol=5e-4, rtol=1e-4)
 
 
 def test_llama_rope_scaling_is_read_from_the_4x_layout(tmp_path):
