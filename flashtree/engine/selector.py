@@ -31,7 +31,8 @@ and the best measured arm is played. A share of round time is credit for explora
 stalest of the runners-up (optimistic where an arm rests on few rounds) is played when the
 credit covers its expected loss. Where AR wins, the share shrinks with how far drafting trails,
 so a class whose drafts never pay (T = 1 with a weak drafter) hardly ever drafts, and AR steps
-are decided ahead until the next probe is affordable. A class seen for the first time opens with
+are decided ahead until the next probe is affordable; a drafting arm that clearly leads is
+decided a few rounds ahead too (kept), the choice being most of a round's host work. A class seen for the first time opens with
 the largest tree that costs at most twice the cheapest drafting round, which measures many sizes.
 
 The plans are the fixed methods' own (every row alike), so a round costs what that fixed method's
@@ -310,9 +311,9 @@ class Selector:
         """Decide the next rounds ahead where the best drafting arm leads its rival (AR steps
         at the margin; not the trees its tie rule passed over) by KEEP_STEP per round: a round
         moves a shape by about a percent at most once its arm rests on a hundred rows, and the
-        level scales every drafting arm alike. The choice costs as much host time as a quarter
-        of a round's verify on the demo pair at c = 1 (its caches cold after the forward): at
-        T = 0, c = 1, auto forced onto the chain ran 2-4% behind the fixed dflash."""
+        level scales every drafting arm alike. On the demo pair at T = 0, c = 1 the choice took
+        0.16 ms a round in place (its caches cold after the forward), 60% of what auto adds to a
+        chain round there, and auto forced onto the chain ran 2-4% behind the fixed dflash."""
         rival = max((r * (self.margin if a == AR_ARM else 1.0) for a, r in known.items()
                      if a != best and a not in tied), default=0.0)
         if rival <= 0:
@@ -338,13 +339,15 @@ class Selector:
         the recent one: a cold stretch of acceptance must not seat requests plain for good."""
         s = self.stats.get(cls)
         # Hopeful while the estimates rest on few rows: x 1 + 1 / sqrt(1 + rows) on a drafting
-        # arm's rate. A seat is for life, and a plain request adds no evidence: on the demo pair
-        # at T = 0, c = 1, AR steps led by 1.03-1.14 after seven drafting rounds (the chain
-        # estimated at 2.4 tokens where it accepts 5.6), and every request seated from then on
-        # took AR steps. As this release first had it, by rounds (1 + 1 / sqrt(1 + rounds)), the
-        # hope lasted where few rounds draft: at T = 0, c = 16, where AR steps lead by about
-        # 15%, no request was seated plain, and auto ran at 0.90-0.93x `ar` (0.98-0.99x now:
-        # 176 of its 192 requests were seated while the class was settled on AR steps).
+        # arm's rate. A seat is for life, and a plain request adds no evidence. Without the hope,
+        # on the demo pair at T = 0, c = 1, AR steps led by 1.03-1.14 on the estimates of seven
+        # drafting rounds (the chain at 2.4 tokens, where it accepts 5.6), and every request
+        # seated from then on took AR steps (at c = 4, after the three opening rounds, AR steps
+        # led by 1.23 where drafting won by 12%). By rounds, as this release first had it
+        # (1 + 1 / sqrt(1 + rounds)), the hope lasted where few rounds draft: at T = 0, c = 16,
+        # where AR steps lead by about 15%, no request was seated plain and auto ran at
+        # 0.90-0.93x `ar` (0.98x by rows, 176 of its 192 requests seated while the class was
+        # settled on AR steps).
         if s is None or s.rounds < COLD_ROUNDS:
             return 0.0
         scale = (s.long_level + SHAPE_PRIOR) / (s.level + SHAPE_PRIOR)
