@@ -10,7 +10,7 @@ fresh seeds where there are fewer than CHUNK x c of them, so that even at the hi
 concurrency most rounds run at a steady load. (Waves of c requests submitted together, as this
 grid ran before, let the batch drain within every wave: speculation spreads the rows' finishing
 times, and the tail rounds of a few rows weighed on every speculating cell.) Every cell runs a
-stream at the same time, in turns of about 50 ms of its own steps, the cells taken in a new
+stream at the same time, in turns of about 250 ms of its own steps, the cells taken in a new
 random order each pass (run_interleaved), so drift and other processes on the machine fall on
 all cells alike: a grid that ran each cell's stream back to back measured two engines doing
 the same work 5-20% apart, and in a fixed order each cell's turns started on the caches of the
@@ -48,7 +48,7 @@ CONCURRENCY = [1, 4, 16]
 BUDGETS = [4, 8, 16, 32, 64]
 GOAL = 0.97  # auto's throughput against the best cell and against ar
 CHUNK = 4  # prompts per stream, in multiples of the concurrency: cells take turns stream by stream
-SLICE = 0.05  # seconds of its own steps a cell runs before the next one steps (run_interleaved)
+SLICE = 0.25  # seconds of its own steps a cell runs before the next one steps (run_interleaved)
 
 
 @dataclass
@@ -154,7 +154,9 @@ def run_interleaved(streams: list[Stream], slice_seconds: float = SLICE, seed: i
     new random order (seeded): a slice's first steps run on the caches the slice before it left,
     and in a fixed order every cell always followed the same one. At T = 1, c = 4, with `ar`
     after auto and auto after dflash, auto ran at 0.90x `ar`; with auto after `ar` and `ar` after
-    dflash, at 1.09x; both take AR steps only. (One step each in turn had the same bias, larger.)"""
+    dflash, at 1.09x; both take AR steps only. (One step each in turn had the same bias, larger.)
+    A turn spans several rounds: at 50 ms, a tree round at c = 16 (about 75 ms) was the first of
+    its turn every time, on caches another cell had left."""
     rng = random.Random(seed)
     active = list(streams)
     while active:
