@@ -32,8 +32,9 @@ stalest of the runners-up (optimistic where an arm rests on few rounds) is playe
 credit covers its expected loss. Where AR wins, the share shrinks with how far drafting trails,
 so a class whose drafts never pay (T = 1 with a weak drafter) hardly ever drafts, and AR steps
 are decided ahead until the next probe is affordable; a drafting arm that clearly leads is
-decided a few rounds ahead too (kept), the choice being most of a round's host work. A class seen for the first time opens with
-the largest tree that costs at most twice the cheapest drafting round, which measures many sizes.
+decided a few rounds ahead too (kept), the choice being most of a round's host work. A class
+seen for the first time opens with the largest tree that costs at most twice the cheapest
+drafting round, which measures many sizes.
 
 The plans are the fixed methods' own (every row alike), so a round costs what that fixed method's
 round does: no per-row plan and, apart from the per-size accepted counts, nothing read back.
@@ -352,7 +353,7 @@ class Selector:
             return 0.0
         scale = (s.long_level + SHAPE_PRIOR) / (s.level + SHAPE_PRIOR)
         rates = self.rates(cls, rows, seconds, ar_seconds, scale=scale)
-        drafts = [r * (1.0 + 1.0 / math.sqrt(1.0 + s.weight[len(self.grid) if a == CHAIN_ARM else a]))
+        drafts = [r * (1.0 + 1.0 / math.sqrt(1.0 + s.weight[self._slot(a)]))
                   for a, r in self._known(s, rates).items() if a != AR_ARM]
         return rates[AR_ARM] / max(drafts) if drafts else 0.0
 
@@ -379,11 +380,15 @@ class Selector:
         seen = self._seen(s, arm)
         return seen if timed >= TIMED else min(seen, timed)
 
+    def _slot(self, arm: int) -> int:
+        """The arm's entry in a ClassStats list: tree columns first, then the chain."""
+        return len(self.grid) if arm == CHAIN_ARM else arm
+
     def _seen(self, s: ClassStats, arm: int) -> float:
-        return float(s.seen[len(self.grid) if arm == CHAIN_ARM else arm])
+        return float(s.seen[self._slot(arm)])
 
     def _age(self, s: ClassStats, arm: int) -> float:
-        return float(s.clock - s.measured_at[len(self.grid) if arm == CHAIN_ARM else arm])
+        return float(s.clock - s.measured_at[self._slot(arm)])
 
     def predicted(self, cls: int, arm: int) -> float:
         if arm == AR_ARM:
