@@ -15,6 +15,7 @@ from flashtree import LLM, EngineConfig, LLMEngine, SamplingParams
 from flashtree.engine import cost_model
 from flashtree.engine.cost_model import CostModel, Grid
 from flashtree.engine.policy import AR, CHAIN, TREE, Policy, RoundPlan
+from flashtree.engine.runner import AR_TIMED_EVERY
 from flashtree.engine.selector import AR_ARM
 from flashtree.engine.sequence import Request
 from flashtree.tree import build_chain, build_tree
@@ -403,9 +404,17 @@ def test_ar_when_acceptance_collapses(tmp_path, monkeypatch):
         return out
 
     runner.step = counted
+    learned: list[int] = []  # the policy rounds (their count as of each one) that were learned from
+    learn = runner.learn
+    runner.learn = lambda plan, *a: (learned.append(runner.policy.rounds), learn(plan, *a))[1]
     out = llm.generate(prompts, params)
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
     assert all(drafter_rows == drafting for _, drafting, drafter_rows in rounds)
+    # Every drafting round is learned from; of plain AR rounds, only a sample is timed.
+    assert len(learned) == len(set(learned))
+    plain = [i + 1 for i, (_, d, _) in enumerate(rounds) if not d]
+    assert {i for i, (_, d, _) in enumerate(rounds, 1) if d} <= set(learned)
+    assert set(learned) & set(plain) == {i for i in plain if i % AR_TIMED_EVERY == 0}
     late = rounds[len(rounds) // 3 :]
     assert sum(d for _, d, _ in late) <= 0.1 * sum(r for r, _, _ in late)
     modes = [m for o in out for m in o.stats.modes]
@@ -501,6 +510,22 @@ def test_settled_class_seats_requests_the_drafter_never_sees(tmp_path, monkeypat
     assert all(set(r.stats.modes) == {"ar"} for r in plain)
     late = reqs[len(reqs) - SCOUT_EVERY * 2:]
     assert 1 <= sum(r.speculative for r in late) <= 3  # the scouts
+
+
+def test_scouts_are_fewer_the_further_ar_steps_lead(monkeypatch):
+    """Requests seated while their class is settled on AR steps: all draft below parity, one in
+    SCOUT_EVERY where AR steps lead by SETTLED_LEAD, one in SCOUT_EVERY x lead^2 where they lead
+    by more (drafting must gain that much to pay), and never fewer than one in SCOUT_MAX."""
+    from flashtree.engine.policy import SCOUT_EVERY, SCOUT_MAX
+
+    policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
+    params = SamplingParams(temperature=1.0)
+    for lead, every in ((0.9, 1), (1.0, SCOUT_EVERY), (2.0, 4 * SCOUT_EVERY), (50.0, SCOUT_MAX)):
+        monkeypatch.setattr(policy.selector, "lead", lambda *a, v=lead: v)
+        policy.scouting.clear()
+        seated = [policy.admit(params, 4) for _ in range(4 * every)]
+        assert sum(seated) == 4, lead
+        assert seated[every - 1] and not any(seated[: every - 1]), lead
 
 
 def test_plain_and_speculative_requests_share_prefixes_only_where_the_drafter_has_them(tmp_path, monkeypatch):

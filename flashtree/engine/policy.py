@@ -79,6 +79,7 @@ HELD_RATE = 0.1  # EMA weight of one append in the seconds per held-back token (
 PROBE_ROWS = 0.25  # share of a batch's rows a probe from AR steps drafts (at least one)
 SETTLED_LEAD = 1.0  # AR steps this many times drafting's long-run rate: the class is settled on them (admit)
 SCOUT_EVERY = 8  # requests seated while their class is settled on AR steps: one in this many may draft
+SCOUT_MAX = 64  # ... or, where AR steps lead by more than SETTLED_LEAD, one in up to this many (admit)
 
 
 @dataclass
@@ -179,7 +180,7 @@ class Policy:
         self.next_probe = 0.0  # credit (seconds) the last unaffordable probe needed: a hold ends there
         self.held_cost = 0.0  # seconds per held-back drafter context token appended (timed)
         self.selector = Selector(self.grid, self.depth)  # batches whose requests sample alike (selector.py)
-        self.admitted: dict[int, int] = {}  # per class, requests seated while it was settled on AR steps
+        self.scouting: dict[int, float] = {}  # per class, scouts owed to the requests seated plain (admit)
         self._arms: dict[int, tuple[int, dict[int, float], dict[int, RoundPlan]]] = {}
         self.times = ArmTimes(lambda arm: 1 if arm == AR_ARM else self.depth + 1 if arm == CHAIN_ARM
                               else int(self.grid[arm]) + 1)
@@ -377,10 +378,14 @@ class Policy:
         """May a request being seated ever draft? Not when its class is settled on AR steps: in
         the batch it joins (rows, itself included: a burst on an idle engine is one batch), AR
         steps are predicted SETTLED_LEAD times the best measured drafting arm's rate, with the
-        class's acceptance at its long-run level (Selector.lead). One in SCOUT_EVERY still may:
-        the scouts' probes keep measuring the class. The others cost what an `ar` engine's
-        requests do: the drafter never sees their prompts or tokens. They take AR steps to the
-        end, whatever the class or the load turns to.
+        class's acceptance at its long-run level (Selector.lead). A few still may, the scouts:
+        their probes keep measuring the class. One in SCOUT_EVERY where AR steps lead by
+        SETTLED_LEAD, one in SCOUT_EVERY x lead^2 (up to SCOUT_MAX) where they lead by more, for
+        drafting must then gain that much to pay. A scout costs even where it never drafts: the
+        drafter takes its prompt, and each AR round parks its features. On the demo pair at T = 1,
+        c = 16 (AR steps lead by 2), one in eight cost auto 0.5-3% against `ar`. The others cost
+        what an `ar` engine's requests do: the drafter never sees their prompts or tokens. They
+        take AR steps to the end, whatever the class or the load turns to.
         The bar is parity: on the demo pair at T = 0, c = 16, where AR steps lead drafting by a
         few percent, requests seated speculative paid a tenth more per prompt (the drafter's
         context) for nothing. Judged at the recent level instead, a cold stretch at T = 0, c = 4
@@ -390,10 +395,12 @@ class Policy:
         rows = max(1, min(self.slots, rows))
         modelled, _ = self._arm_table(rows)
         seconds = self.ar_price(self.times.seconds(rows, modelled), rows)
-        if self.selector.lead(cls, rows, seconds, seconds[AR_ARM]) < SETTLED_LEAD:
+        lead = self.selector.lead(cls, rows, seconds, seconds[AR_ARM])
+        if lead < SETTLED_LEAD:
             return True
-        self.admitted[cls] = self.admitted.get(cls, 0) + 1
-        return self.admitted[cls] % SCOUT_EVERY == 0
+        owed = self.scouting.get(cls, 0.0) + 1.0 / min(SCOUT_MAX, SCOUT_EVERY * lead * lead)
+        self.scouting[cls] = owed - (owed >= 1.0)
+        return owed >= 1.0
 
     def _select(self, reqs: list[Request], cls: int) -> RoundPlan:
         """A batch whose requests sample alike: the selector's measured arm, every row alike, as
