@@ -350,6 +350,24 @@ def test_a_clear_lead_is_decided_ahead_and_a_near_tie_is_not():
         run = run + 1 if k else 0
         longest = max(longest, run)
     assert longest == KEEP_MAX
+    # A kept round's prediction (the stats' and /metrics') is the estimate it was decided with,
+    # not recomputed: that was most of a kept round's plan.
+    computed = []
+    accepted = sel.accepted
+    sel.accepted = lambda cls: (computed.append(cls), accepted(cls))[1]
+    for _ in range(40):
+        decided = sel.kept(0, 1)
+        if decided is not None:
+            before = len(computed)
+            assert sel.predicted(0, decided) == sel.stats[0].keep[4]
+            assert len(computed) == before
+        else:
+            decided = sel.choose(0, 1, seconds, seconds[AR_ARM])
+        if decided == CHAIN_ARM:
+            sel.observe(0, 1, None, np.full(1, 6.0))
+        else:
+            sel.observe(0, 1, np.full((1, decided + 1), 3.0), np.full(1, 3.0))
+    assert len(computed) < 40
 
     rate15 = (1 + 5.0) / seconds[4]
     chain = 1.005 * rate15 * seconds[CHAIN_ARM] - 1  # 0.5% ahead of the tree of 15

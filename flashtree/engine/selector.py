@@ -106,7 +106,8 @@ class ClassStats:
     changed: bool = True
     estimate: tuple = ()  # accepted()'s, until the next observation
     hold: tuple = (0, 0, 0.0)  # AR steps decided ahead: (rows, rounds left, credit per round)
-    keep: tuple = (0, 0, AR_ARM, 0.0)  # a drafting arm decided ahead: (rows, rounds left, arm, credit per round)
+    # A drafting arm decided ahead: (rows, rounds left, arm, credit per round, its estimate then).
+    keep: tuple = (0, 0, AR_ARM, 0.0, 0.0)
     probes: int = 0  # probes from AR steps since a drafting arm was last the best
 
 
@@ -222,7 +223,7 @@ class Selector:
         trusted). speculative: rows that may draft (the others take AR steps in any arm)."""
         s = self._class(cls)
         self.probing = False  # set when the arm returned is a probe from AR steps
-        s.keep = (0, 0, AR_ARM, 0.0)
+        s.keep = (0, 0, AR_ARM, 0.0, 0.0)
         drafting = [a for a in seconds if a != AR_ARM]
         if not drafting:
             return AR_ARM
@@ -321,14 +322,15 @@ class Selector:
             return
         ahead = min(KEEP_MAX, int((known[best] / rival - 1.0) / KEEP_STEP))
         if ahead > 0:
-            s.keep = (rows, ahead, best, per_round)
+            tree, chain = s.estimate  # fresh: choose has just priced the arms
+            s.keep = (rows, ahead, best, per_round, chain if best == CHAIN_ARM else tree[best])
 
     def kept(self, cls: int, rows: int) -> int | None:
         """The drafting arm decided ahead for this round (see _keep), or None: choose decides."""
         s = self._class(cls)
         if s.keep[1] <= 0 or s.keep[0] != rows:
             return None
-        s.keep = (rows, s.keep[1] - 1, s.keep[2], s.keep[3])
+        s.keep = (rows, s.keep[1] - 1) + s.keep[2:]
         s.credit += s.keep[3]
         self.probing = False
         return s.keep[2]
@@ -391,8 +393,14 @@ class Selector:
         return float(s.clock - s.measured_at[self._slot(arm)])
 
     def predicted(self, cls: int, arm: int) -> float:
+        """The arm's expected drafted tokens accepted per row. In rounds decided ahead (kept), the
+        estimate they were decided with: recomputing it after each of their observations was
+        most of a kept round's plan, for the stats alone."""
         if arm == AR_ARM:
             return 0.0
+        s = self._class(cls)
+        if s.changed and s.keep[0] and s.keep[2] == arm:
+            return s.keep[4]
         tree, chain = self._estimate(cls)
         return chain if arm == CHAIN_ARM else tree[arm]
 
