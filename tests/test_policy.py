@@ -16,7 +16,7 @@ from flashtree.engine import cost_model
 from flashtree.engine.cost_model import CostModel, Grid
 from flashtree.engine.policy import AR, CHAIN, TREE, Policy, RoundPlan
 from flashtree.engine.runner import AR_TIMED_EVERY
-from flashtree.engine.selector import AR_ARM
+from flashtree.engine.selector import AR_ARM, COLD_ROUNDS, TIMED
 from flashtree.engine.sequence import Request
 from flashtree.tree import build_chain, build_tree
 from flashtree.tree.budget import expected_accepts, truncate
@@ -165,9 +165,10 @@ def _requests(n: int, temperature: float = 0.0) -> list[Request]:
 
 
 def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float, confidence: float = 0.8,
-          geometric: bool = False) -> None:
+          geometric: bool = False, slow: float = 1.0) -> None:
     """Pretend the round ran, with a drafter whose spine reach is confidence^depth and whose trees
-    are chains, and a target that accepts each spine node with probability `accept`."""
+    are chains, and a target that accepts each spine node with probability `accept`; drafting
+    rounds take `slow` times the cost model's seconds."""
     D, k = max(plan.depth, 1), plan.drafting
     cols = policy.curve_columns(plan)
     raw = confidence ** np.arange(1, D + 1)
@@ -189,7 +190,7 @@ def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float, c
         extras = np.concatenate([extras, measured], 1)
     accepted = [int(round(accept * min(D, 15))) if m != AR else 0 for m in plan.modes]
     policy.observe(plan, [r.slot for r in reqs], extras if k else None, accepted)
-    policy.timed(plan, len(reqs), plan.seconds)  # the round took what the cost model said
+    policy.timed(plan, len(reqs), plan.seconds * (slow if k else 1.0))
 
 
 def test_split_follows_cost_and_batch():
@@ -295,6 +296,39 @@ def test_selector_follows_cost_and_batch():
     # Every row alike, except probes from AR steps: those draft a quarter of the rows.
     assert all(len(set(p.modes)) == 1 or p.drafting == 4 for p in many)
     assert np.median([p.window for p in many[10:]]) < w1
+
+
+def test_ar_steps_are_timed_while_drafting_leads():
+    """Drafting rounds run 1.5x the cost model, AR steps at it. Never timed, AR steps would be
+    priced at the drafting arms' error (1.5x too); only their own rounds correct that, and
+    while drafting leads none would be played. So a few are, to time them (TIMED of them, as the
+    opening rounds end), and from then on AR steps are priced at their own seconds."""
+    policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
+    reqs = _requests(16)
+    plans = []
+    for _ in range(40):
+        plans.append(policy.plan(reqs))
+        _feed(policy, plans[-1], reqs, accept=1.0, slow=1.5)
+    timing = [i for i, p in enumerate(plans) if not p.drafting]
+    assert len(timing) == TIMED and all(plans[i].timed for i in timing)
+    assert timing[0] <= COLD_ROUNDS + 1 and timing[-1] - timing[0] < 2 * TIMED
+    assert all(p.drafting == 16 for p in plans[timing[-1] + 1:])  # drafting still leads
+    modelled = policy._arm_table(16)[0]
+    priced = policy.times.seconds(16, modelled)
+    assert priced[AR_ARM] == pytest.approx(modelled[AR_ARM], rel=0.01)
+    assert priced[plans[-1].arm] == pytest.approx(1.5 * modelled[plans[-1].arm], rel=0.01)
+    # A batch size where AR steps were never timed takes their error from the nearest size.
+    modelled = policy._arm_table(8)[0]
+    assert policy.times.seconds(8, modelled)[AR_ARM] == pytest.approx(modelled[AR_ARM], rel=0.01)
+    assert policy.times.counts(8, modelled)[AR_ARM] == TIMED
+    # Under a frozen cost model (tensor parallelism) nothing is timed, so nothing is played for it.
+    frozen = Policy(_cost(1e-5), 16, 16, 64, 4096)
+    frozen.cost.frozen = True
+    reqs = _requests(16)
+    for _ in range(12):
+        plan = frozen.plan(reqs)
+        assert plan.drafting == 16
+        _feed(frozen, plan, reqs, accept=1.0, slow=1.5)
 
 
 def test_held_back_context_is_priced_to_ar_steps_not_to_the_next_drafting_round():

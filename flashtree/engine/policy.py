@@ -102,6 +102,7 @@ class RoundPlan:
     arm: int | None = None  # the selector's arm (selector.py), for a batch whose requests sample alike
     cls: int = 0  # ... and their sampling class
     measure: int = 0  # tree columns whose accepted tokens the round reads back for the selector
+    timed: bool = False  # AR steps played to time them (Selector.choose): always learned from
 
     @property
     def drafting(self) -> int:
@@ -424,13 +425,15 @@ class Policy:
             seconds, timed = self._partial(R, len(rows), modelled, plans, seconds), None
         else:
             timed = self.times.counts(R, seconds)
+            if self.cost.frozen:  # nothing is timed (see timed): no AR steps played to time them
+                del timed[AR_ARM]
         arm = self.selector.choose(cls, R, seconds, seconds[AR_ARM], timed, len(rows))
         plan = plans[arm]
         self.rounds += 1
         if arm == AR_ARM:
             self.selector.idle(cls)
             self.ticks += 1
-            return plan
+            return dataclasses.replace(plan, timed=True) if self.selector.timing else plan
         if self.selector.probing and len(rows) > PROBE_ROWS * R:
             # A probe from AR steps measures acceptance, a per-row average: a few rows (in turn)
             # do, at a fraction of a whole batch's drafting round and held-back context.

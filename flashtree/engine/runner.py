@@ -370,7 +370,7 @@ class ModelRunner:
             # throughput is tokens over wall time. A long gap is an idle engine, not work. Plain
             # AR rounds teach only their time, and a sample of them keeps it current.
             end = time.perf_counter()
-            if plan.drafting or held[1] or self.policy.rounds % AR_TIMED_EVERY == 0:
+            if plan.drafting or held[1] or plan.timed or self.policy.rounds % AR_TIMED_EVERY == 0:
                 gap = t0 - self._last_end if self._last_end is not None else 0.0
                 self.learn(plan, slots, counts, host_extras, end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0),
                            held)

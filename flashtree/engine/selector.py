@@ -121,6 +121,7 @@ class Selector:
         self.shape_rate = SHAPE_RATE
         self.wide_cost = COLD_COST
         self.probing = False
+        self.timing = False
         # The tree column of the chain's size (or the largest): the chain's estimate leans on it.
         self.chain_twin = min(int(np.searchsorted(grid, depth)), len(grid) - 1)
         self.caps = [min(float(b), float(depth)) for b in grid]  # a tree of b nodes accepts b tokens at most
@@ -223,6 +224,7 @@ class Selector:
         trusted). speculative: rows that may draft (the others take AR steps in any arm)."""
         s = self._class(cls)
         self.probing = False  # set when the arm returned is a probe from AR steps
+        self.timing = False  # ... or AR steps played to time them while drafting leads
         s.keep = (0, 0, AR_ARM, 0.0, 0.0)
         drafting = [a for a in seconds if a != AR_ARM]
         if not drafting:
@@ -265,6 +267,15 @@ class Selector:
             top = hopeful / rates[AR_ARM]
             share = PROBE_MIN + (self.explore_share - PROBE_MIN) * min(1.0, max(0.0, (top - 0.6) / 0.4)) ** 2
         s.credit = min(s.credit + share * seconds.get(best, ar_seconds), 8.0 * max(seconds.values()))
+        if best != AR_ARM and timed.get(AR_ARM, TIMED) < TIMED:
+            # AR steps never timed here are priced at a drafting arm's error of the cost model,
+            # and only their own rounds correct that: on the demo pair at T = 0, c = 16 the trees
+            # ran 1.5x the model and AR steps 0.97x, so AR was priced 65% high, never played, and
+            # the tree of 8 was played at 0.75x their rate. Such a round costs a fraction of
+            # an AR step, TIMED of them in all (their bias carries to other batch sizes), so
+            # the credit does not wait for them: paid from it, they came 7 rounds apart.
+            self.timing = True
+            return AR_ARM
         # Candidates: the next two drafting arms by hope, the chain (only its own rounds measure
         # it: at T = 0, c = 1 the trees of 15 and 16 held both places, the chain was explored
         # in 11 rounds of 330 and kept an estimate 6% low, where it won), and the biggest tree
@@ -501,6 +512,7 @@ class ArmTimes:
         self.own: dict[int, dict[int, tuple[float, int]]] = {}  # per batch size, per tree: its median, rounds
         self.trees: dict[int, deque] = {}  # per batch size: every tree round's ratio over the load
         self.stale: set[tuple[int, int]] = set()  # keys with rounds newer than their bias
+        self.ar_sizes: set[int] = set()  # batch sizes where AR steps have a bias
         self.load = 0.0  # seconds over the model's, for an arm of bias 1 (0: nothing timed yet)
         self.recent: deque = deque(maxlen=LOAD_WINDOW)  # the last rounds' load
         self._near: dict[tuple[int, tuple[int, ...]], list[int]] = {}
@@ -537,6 +549,8 @@ class ArmTimes:
                 sizes.add(key[0])
             elif len(ratios) >= TIMED:
                 self.bias[key] = median(ratios)
+                if key[1] == AR_ARM:
+                    self.ar_sizes.add(key[0])
         for rows in sizes:  # the trees' pooled median moved: every tree's bias at this size
             pool = self.trees[rows]
             prior = median(pool) if len(pool) >= TIMED else None
@@ -548,15 +562,35 @@ class ArmTimes:
         self.stale.clear()
 
     def counts(self, rows: int, arms) -> dict[int, int]:
-        return {a: len(self.rounds.get((rows, a), ())) for a in arms}
+        """Timed rounds behind each arm's seconds at this batch size; AR's, where it has none
+        here, those of the batch size its bias comes from (seconds)."""
+        out = {a: len(self.rounds.get((rows, a), ())) for a in arms}
+        if AR_ARM in out and (rows, AR_ARM) not in self.bias:
+            near = self._ar_size(rows)
+            if near is not None:
+                out[AR_ARM] = len(self.rounds[near, AR_ARM])
+        return out
+
+    def _ar_size(self, rows: int) -> int | None:
+        """The batch size nearest to rows where AR steps have a bias, or None."""
+        if not self.ar_sizes:
+            return None
+        return min(self.ar_sizes, key=lambda r: (abs(math.log(r / rows)), r))
 
     def seconds(self, rows: int, modelled: dict[int, float]) -> dict[int, float]:
         """Seconds per arm at this batch size: the model's times the load times the arm's bias
-        (or the nearest timed drafting arm's; 1 with nothing timed at all)."""
+        (AR's from the nearest batch size it was timed at; else the nearest timed drafting
+        arm's; 1 with nothing timed at all)."""
         self._update()
         if not self.load:
             return dict(modelled)
         bias = self._biases(rows, modelled)
+        if AR_ARM in modelled and AR_ARM not in bias:
+            # AR steps' own error of the model, from another batch size, before a drafting
+            # arm's: a plain verify is the model's simplest shape, a tree's error says little.
+            near = self._ar_size(rows)
+            if near is not None:
+                bias[AR_ARM] = self.bias[near, AR_ARM]
         arms = tuple(modelled)
         out = {}
         for a, m in modelled.items():
