@@ -48,11 +48,12 @@ from flashtree.tree.value import (SPINE, accepted_by_size, depth_mass, node_kind
                                   spine_run, value_curve, walked_mass)
 
 SAVE_AFTER = 256  # rounds of online refinement after which the cost cache is rewritten (once)
-AR_REFINE_EVERY = 32  # plain AR rounds are timed into the cost model one in this many (0.15 ms each)
-# Plain AR rounds are timed for the policy one in this many (a multiple of it is AR_REFINE_EVERY).
-# Between two forwards the host's caches are cold: learning from every AR round cost about 23 us
-# of a 3.7 ms step on the demo pair at c = 1, where `ar` spends nothing.
+# Plain AR rounds are timed for the policy one in this many. Between two forwards the host's
+# caches are cold: learning from every AR round cost about 23 us of a 3.7 ms step on the demo
+# pair at c = 1, where `ar` spends nothing.
 AR_TIMED_EVERY = 4
+# ... and into the cost model one in this many (0.15 ms each): a multiple, so those are timed ones.
+AR_REFINE_EVERY = 8 * AR_TIMED_EVERY
 DRAFT_REFINE_EVERY = 4  # ... and drafting rounds
 
 

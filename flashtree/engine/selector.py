@@ -333,8 +333,8 @@ class Selector:
             return
         ahead = min(KEEP_MAX, int((known[best] / rival - 1.0) / KEEP_STEP))
         if ahead > 0:
-            tree, chain = s.estimate  # fresh: choose has just priced the arms
-            s.keep = (rows, ahead, best, per_round, chain if best == CHAIN_ARM else tree[best])
+            # s.estimate is fresh: choose has just priced the arms.
+            s.keep = (rows, ahead, best, per_round, arm_value(s.estimate, best))
 
     def kept(self, cls: int, rows: int) -> int | None:
         """The drafting arm decided ahead for this round (see _keep), or None: choose decides."""
@@ -412,8 +412,7 @@ class Selector:
         s = self._class(cls)
         if s.changed and s.keep[0] and s.keep[2] == arm:
             return s.keep[4]
-        tree, chain = self._estimate(cls)
-        return chain if arm == CHAIN_ARM else tree[arm]
+        return arm_value(self._estimate(cls), arm)
 
     # ---- learning ----------------------------------------------------------------------------
 
@@ -479,6 +478,11 @@ class Selector:
         s = self._class(cls)
         s.clock += 1
         s.gap += 1
+
+
+def arm_value(estimate: tuple[list[float], float], arm: int) -> float:
+    """A drafting arm's entry in an estimate (accepted(): the trees' list, the chain's value)."""
+    return estimate[1] if arm == CHAIN_ARM else estimate[0][arm]
 
 
 def median(values) -> float:
