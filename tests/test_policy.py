@@ -16,7 +16,7 @@ from flashtree.engine import cost_model
 from flashtree.engine.cost_model import CostModel, Grid
 from flashtree.engine.policy import AR, CHAIN, TREE, Policy, RoundPlan
 from flashtree.engine.runner import AR_TIMED_EVERY
-from flashtree.engine.selector import AR_ARM, COLD_ROUNDS, TIMED
+from flashtree.engine.selector import AR_ARM, COLD_ROUNDS, TIMED, Selector
 from flashtree.engine.sequence import Request
 from flashtree.tree import build_chain, build_tree
 from flashtree.tree.budget import expected_accepts, truncate
@@ -165,7 +165,7 @@ def _requests(n: int, temperature: float = 0.0) -> list[Request]:
 
 
 def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float, confidence: float = 0.8,
-          geometric: bool = False, slow: float = 1.0) -> None:
+          geometric: bool = False, slow: float = 1.0, room: list[int] | None = None) -> None:
     """Pretend the round ran, with a drafter whose spine reach is confidence^depth and whose trees
     are chains, and a target that accepts each spine node with probability `accept`; drafting
     rounds take `slow` times the cost model's seconds."""
@@ -189,7 +189,7 @@ def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float, c
             measured[:, :m], measured[:, m] = accept * np.minimum(policy.grid[:m], D), accept * D
         extras = np.concatenate([extras, measured], 1)
     accepted = [int(round(accept * min(D, 15))) if m != AR else 0 for m in plan.modes]
-    policy.observe(plan, [r.slot for r in reqs], extras if k else None, accepted)
+    policy.observe(plan, [r.slot for r in reqs], extras if k else None, accepted, room)
     policy.timed(plan, len(reqs), plan.seconds * (slow if k else 1.0))
 
 
@@ -329,6 +329,55 @@ def test_ar_steps_are_timed_while_drafting_leads():
         plan = frozen.plan(reqs)
         assert plan.drafting == 16
         _feed(frozen, plan, reqs, accept=1.0, slow=1.5)
+
+
+def test_the_selector_counts_the_tokens_requests_keep_not_the_walk():
+    """Requests with 3 tokens of room keep at most 2 drafted tokens a round, however far the walk
+    went (the rest lies past max_tokens): every arm's estimate is what is kept. The level (the
+    walk's base) is not cut, so it still says how well the text is drafted."""
+    estimates = {}
+    for room in (None, 3):
+        policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
+        reqs = _requests(4)
+        for _ in range(60):
+            plan = policy.plan(reqs)
+            _feed(policy, plan, reqs, accept=0.8, room=None if room is None else [room] * 4)
+        estimates[room] = policy.selector.accepted(0)
+    (free, free_chain), (cut, cut_chain) = estimates[None], estimates[3]
+    seen = [j for j in range(len(policy.grid)) if policy.selector.stats[0].seen[j] > 0]
+    assert max(free[j] for j in seen) > 5 and max(cut[j] for j in seen) <= 2.0 + 1e-6
+    assert free_chain > 5 and cut_chain <= 2.0 + 1e-6
+    sel = Selector(policy.grid, 15)
+    for _ in range(200):  # (the chain leans on the tree of its size, unseen here, for its first rows)
+        sel.observe(0, 4, None, [12] * 4, kept=[2] * 4)
+    assert sel.stats[0].level == pytest.approx(3.0) and sel.accepted(0)[1] == pytest.approx(2.0, rel=0.05)
+
+
+def test_ar_steps_priced_by_a_few_slow_rounds_are_timed_again_while_drafting_leads():
+    """AR steps are timed as drafting leads (TIMED of them), and those happen to run 1.5x the
+    cost model. Then acceptance falls (0.8 to 0.45 a node) until AR steps win by a fifth at their
+    true price, while at the stale one drafting still led. AR steps near the best arm are
+    re-timed now and then (a runner-up whose price may be stale), so the lead flips and AR steps
+    are played: a price set by a few slow early rounds does not stand for good."""
+    policy = Policy(_cost(1e-4), 16, 16, 64, 4096)
+    reqs = _requests(16)
+    timed, ar_rounds = policy.timed, []
+
+    def slow_first_ar(plan, rows, seconds, held=(0.0, 0)):
+        if not plan.drafting:
+            ar_rounds.append(plan)
+            seconds *= 1.5 if len(ar_rounds) <= TIMED else 1.0
+        timed(plan, rows, seconds, held)
+
+    policy.timed = slow_first_ar
+    plans = []
+    for i in range(600):
+        plans.append(policy.plan(reqs))
+        _feed(policy, plans[-1], reqs, accept=0.8 if i < 100 else 0.45)
+    assert sum(p.drafting == 16 for p in plans[:100]) > 90 and len(ar_rounds) >= TIMED
+    assert sum(p.drafting for p in plans[-200:]) < 0.1 * 200 * 16
+    modelled = policy._arm_table(16)[0]
+    assert policy.times.seconds(16, modelled)[AR_ARM] == pytest.approx(modelled[AR_ARM], rel=0.05)
 
 
 def test_held_back_context_is_priced_to_ar_steps_not_to_the_next_drafting_round():

@@ -373,8 +373,9 @@ class ModelRunner:
             end = time.perf_counter()
             if plan.drafting or held[1] or plan.timed or self.policy.rounds % AR_TIMED_EVERY == 0:
                 gap = t0 - self._last_end if self._last_end is not None else 0.0
+                room = [self.room(r) for r in reqs] if plan.drafting and plan.arm is not None else None
                 self.learn(plan, slots, counts, host_extras, end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0),
-                           held)
+                           held, room)
             self._last_end = time.perf_counter()
         return emitted, dict(self.clock.seconds), logprobs
 
@@ -543,11 +544,17 @@ class ModelRunner:
         parts += [values["spine"], values["mass"].flatten(1), obs.flatten(1)]
         return torch.cat(parts, 1)
 
+    def room(self, req: Request) -> int:
+        """Tokens the request may still emit (before this round's): its max_tokens, or what the
+        model length leaves, less its output so far."""
+        return min(req.params.max_tokens, self.config.max_model_len - len(req.prompt_ids)) - len(req.output_ids)
+
     def learn(self, plan: RoundPlan, slots: list[int], counts: list[int], extras, seconds: float,
-              held: tuple[float, int] = (0.0, 0)) -> None:
+              held: tuple[float, int] = (0.0, 0), room: list[int] | None = None) -> None:
         """Fold in a round. held: the seconds and tokens of held-back context it appended, a
-        cost of the AR steps that parked them, not of this round's arm (Policy.timed)."""
-        self.policy.observe(plan, slots, extras, [c - 1 for c in counts])
+        cost of the AR steps that parked them, not of this round's arm (Policy.timed). room: per
+        row, the tokens its request could still emit (the selector counts what is kept)."""
+        self.policy.observe(plan, slots, extras, [c - 1 for c in counts], room)
         self.policy.timed(plan, len(slots), seconds, held)
         seconds -= held[0]
         if self.policy.rounds % (DRAFT_REFINE_EVERY if plan.drafting else AR_REFINE_EVERY):

@@ -74,6 +74,7 @@ TIME_WINDOW, TIMED = 16, 3  # timed rounds kept per (batch size, arm); how many 
 TREE_PRIOR = 8  # rounds' worth of weight the trees' pooled bias has in one tree's (ArmTimes)
 LOAD_WINDOW = 5  # timed rounds whose median is the machine's load (ArmTimes): a round that also
 #                 flushed held-back context does not move it, a lasting change of speed does in 3
+AR_RECHECK = 0.67  # while drafting leads, AR steps within this share of its rate are re-timed now and then
 AR_ARM, CHAIN_ARM = -2, -1  # arms: AR, the chain, or a tree grid column (>= 0)
 
 
@@ -109,6 +110,7 @@ class ClassStats:
     # A drafting arm decided ahead: (rows, rounds left, arm, credit per round, its estimate then).
     keep: tuple = (0, 0, AR_ARM, 0.0, 0.0)
     probes: int = 0  # probes from AR steps since a drafting arm was last the best
+    ar_at: float = -math.inf  # the class's round when AR steps were last played to time them
 
 
 class Selector:
@@ -275,6 +277,7 @@ class Selector:
             # an AR step, TIMED of them in all (their bias carries to other batch sizes), so
             # the credit does not wait for them: paid from it, they came 7 rounds apart.
             self.timing = True
+            s.ar_at = s.clock
             return AR_ARM
         # Candidates: the next two drafting arms by hope, the chain (only its own rounds measure
         # it: at T = 0, c = 1 the trees of 15 and 16 held both places, the chain was explored
@@ -288,6 +291,12 @@ class Selector:
         wide = [a for a in drafting if a >= 0 and seconds[a] <= self.wide_cost * seconds[best]]
         if wide and best != AR_ARM and max(wide) != best:
             plausible.append(max(wide))
+        # AR steps too, while they are near enough for their price to matter: timed only while
+        # played, a price set by a few slow early rounds would stand for good. On the demo pair
+        # at T = 0, c = 16 one fresh engine in three played the tree of 8 in 89-94% of its rounds
+        # at 0.74-0.77x `ar`, its AR steps timed in its first rounds only.
+        if best != AR_ARM and rates[AR_ARM] >= AR_RECHECK * rates[best]:
+            plausible.append(AR_ARM)
         if plausible:
             # From AR steps: the best drafting arm, priced at its hopeful rate (cheap while
             # drafting may well pay, dear once it has shown it does not). Else the stalest
@@ -302,7 +311,7 @@ class Selector:
                 # spent the credit at twice the best's round. On the demo pair at T = 0, c = 4
                 # the tree of 8 was measured in 10 rounds of a run, and predicted 3.4 tokens for
                 # the 4.4 the fixed ddtree-8 accepted.
-                cost = {a: max(0.0, seconds[a] * (1.0 - rates[a] / rates[best])) for a in plausible}
+                cost = {a: max(0.0, seconds.get(a, ar_seconds) * (1.0 - rates[a] / rates[best])) for a in plausible}
                 cand = max(plausible, key=lambda a: (a in ranked[:2] and timed.get(a, TIMED) < TIMED,
                                                      self._age(s, a), -cost[a]))
                 price = cost[cand]
@@ -310,6 +319,9 @@ class Selector:
                 s.credit -= price
                 s.probes += best == AR_ARM
                 self.probing = best == AR_ARM
+                if cand == AR_ARM:
+                    self.timing = True
+                    s.ar_at = s.clock
                 return cand
             if best == AR_ARM and share > 0:
                 # Nothing changes until the credit covers that probe: hold AR steps till then.
@@ -401,7 +413,7 @@ class Selector:
         return float(s.seen[self._slot(arm)])
 
     def _age(self, s: ClassStats, arm: int) -> float:
-        return float(s.clock - s.measured_at[self._slot(arm)])
+        return float(s.clock - (s.ar_at if arm == AR_ARM else s.measured_at[self._slot(arm)]))
 
     def predicted(self, cls: int, arm: int) -> float:
         """The arm's expected drafted tokens accepted per row. In rounds decided ahead (kept), the
@@ -416,11 +428,16 @@ class Selector:
 
     # ---- learning ----------------------------------------------------------------------------
 
-    def observe(self, cls: int, rows: int, tree: np.ndarray | None, run: np.ndarray | list[int]) -> None:
+    def observe(self, cls: int, rows: int, tree: np.ndarray | None, run: np.ndarray | list[int],
+                kept: list[int] | None = None) -> None:
         """One drafting round of `rows` rows. run [rows]: the accepted path's run along the spine
         (a chain round: the chain's accepted tokens). tree [rows, cols]: a tree round's accepted
-        tokens at each tree column it measured (None: a chain round). A tree's spine may end
-        before the chain's depth, so only chain rounds measure the chain's shape."""
+        tokens at each tree column it measured (None: a chain round), as the requests keep them
+        (Policy.observe cuts them at each row's room). kept [rows]: a chain round's accepted
+        tokens as kept (default: run). The base is the walk's, uncut: it is the level every arm
+        is scaled by, and a request's last round says nothing about the text's acceptance. A
+        tree's spine may end before the chain's depth, so only chain rounds measure the chain's
+        shape."""
         s = self._class(cls)
         G = len(self.grid)
         s.clock += 1
@@ -460,7 +477,8 @@ class Selector:
                 s.steps[j] += u * (h - s.steps[j])
                 s.plain[j] += u * (1.0 + m - s.plain[j])
         else:
-            self._fold(s, G, [sum(run) / len(run)], b, rows)
+            kept = run if kept is None else kept
+            self._fold(s, G, [sum(kept) / len(kept)], b, rows)
 
     def _fold(self, s: ClassStats, first: int, xs: list[float], base: float, rows: int) -> None:
         """Entries first.. take the round's accepted tokens xs and its base."""
