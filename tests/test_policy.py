@@ -177,19 +177,19 @@ def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float, c
     extras[:, 2 * cols : 2 * cols + D] = raw
     extras[:, 2 * cols + D : 2 * cols + 3 * D : 2] = raw  # predicted, spine kind
     extras[:, 2 * cols + 3 * D :: 2] = raw * accept  # observed, spine kind
-    if plan.arm is not None and not plan.learn:
-        extras = np.zeros((k, 0))
-    if plan.measure:  # the selector's: accepted tokens per tree size, the spine's run
+    measured = None
+    if plan.measure:  # the selector's: accepted tokens per tree size, the spine's run (runner: by_size)
         m = plan.measure
-        measured = np.zeros((k, m + 1))
         if geometric:  # depth d accepted with probability accept^d: bigger trees add less
             curve = np.cumsum(accept ** np.arange(1, D + 1))
-            measured[:, :m], measured[:, m] = curve[np.minimum(policy.grid[:m], D) - 1], curve[-1]
+            row = (curve[np.minimum(policy.grid[:m], D) - 1].tolist(), float(curve[-1]))
         else:
-            measured[:, :m], measured[:, m] = accept * np.minimum(policy.grid[:m], D), accept * D
-        extras = np.concatenate([extras, measured], 1)
+            row = ((accept * np.minimum(policy.grid[:m], D)).tolist(), accept * D)
+        measured = [row] * k
+    if plan.arm is not None and not plan.learn:
+        extras = None
     accepted = [int(round(accept * min(D, 15))) if m != AR else 0 for m in plan.modes]
-    policy.observe(plan, [r.slot for r in reqs], extras if k else None, accepted, room)
+    policy.observe(plan, [r.slot for r in reqs], extras if k else None, accepted, room, measured)
     policy.timed(plan, len(reqs), plan.seconds * (slow if k else 1.0))
 
 

@@ -1,5 +1,6 @@
-"""The selector's measurement (tree/value.py accepted_by_size, spine_run): one verified tree gives
-exactly what every smaller exact tree, and the chain, would have accepted. And the selector's
+"""The selector's measurement (tree/value.py accepted_by_size, spine_run; the engine reads the same
+from the path's codes, runner.path_codes and selector.by_size): one verified tree gives exactly
+what every smaller exact tree, and the chain, would have accepted. And the selector's
 choices (engine/selector.py) on synthetic acceptance and costs."""
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from flashtree.engine.selector import AR_ARM, CHAIN_ARM, COLD_ROUNDS, KEEP_MAX, SHAPE_PRIOR, Selector
+from flashtree.engine.runner import path_codes
+from flashtree.engine.selector import AR_ARM, CHAIN_ARM, COLD_ROUNDS, KEEP_MAX, SHAPE_PRIOR, Selector, by_size
 from flashtree.tree import accept_walk, build_chain, build_tree
 from flashtree.tree.markov import build_markov_chain, build_markov_tree
 from flashtree.tree.value import accepted_by_size, spine_mask, spine_run
@@ -55,12 +57,18 @@ def test_one_tree_measures_every_smaller_tree_and_the_chain(markov):
         small = build(b)
         walked = accept_walk(small, _picks(small, table)).num_nodes - 1
         assert torch.equal(measured[:, b - 1].long(), walked), b
-    run = spine_run(big, accept_walk(big, _picks(big, table)).path)
+    path = accept_walk(big, _picks(big, table)).path
+    run = spine_run(big, path)
     length = (spine_mask(big) & (big.tokens >= 0))[:, 1:].sum(1)
     chained = accept_walk(chain, _picks(chain, table)).num_nodes - 1
     whole = (run < length) | (length == D)  # the run did not reach the end of a short spine
     assert torch.equal(run[whole], chained[whole]) and bool((run <= chained).all())
     assert whole.any()
+    # What the engine reads instead: the path's codes, decoded on the host, give the same.
+    codes = path_codes(big, path).tolist()
+    for r in range(R):
+        by, spine = by_size(codes[r], list(range(1, B + 1)))
+        assert by == measured[r].long().tolist() and spine == int(run[r]), r
 
 
 def _play(sel: Selector, rounds: int, acc_tree, acc_chain: float, seconds: dict, rows: int = 1) -> list[int]:

@@ -181,6 +181,7 @@ class Policy:
         self.next_probe = 0.0  # credit (seconds) the last unaffordable probe needed: a hold ends there
         self.held_cost = 0.0  # seconds per held-back drafter context token appended (timed)
         self.selector = Selector(self.grid, self.depth)  # batches whose requests sample alike (selector.py)
+        self.sizes = [int(b) for b in self.grid]
         self.scouting: dict[int, float] = {}  # per class, scouts owed to the requests seated plain (admit)
         self._arms: dict[int, tuple[int, dict[int, float], dict[int, RoundPlan]]] = {}
         self.times = ArmTimes(lambda arm: 1 if arm == AR_ARM else self.depth + 1 if arm == CHAIN_ARM
@@ -635,40 +636,40 @@ class Policy:
 
     # ---- learning ---------------------------------------------------------------------------
 
-    def _observe_arm(self, plan: RoundPlan, extras: np.ndarray | None, accepted: list[int],
-                     room: list[int] | None) -> np.ndarray | None:
-        """The selector's share of a round it planned; returns the forecasts' share of extras (or
-        None). Each arm is credited with the drafted tokens the request keeps: at most room - 1,
-        room being the tokens it may still emit (max_tokens). A walk past that is cut, and a long
-        chain's walks are cut more: on the demo pair at T = 0, c = 4 (64 tokens a request), 8.5%
-        of the chain's walked tokens lay past the end and 3% of the tree of 8's, so by walks the
-        chain led by 2.4% a round where in tokens kept the tree of 8 did by 3.5%."""
+    def _observe_arm(self, plan: RoundPlan, accepted: list[int], room: list[int] | None,
+                     measured: list[tuple[list[float], float]] | None) -> None:
+        """The selector's share of a round it planned. measured: a tree round's, per drafting row,
+        what every grid size up to its own accepted and the run along the spine (by_size). Each
+        arm is credited with the drafted tokens the
+        request keeps: at most room - 1, room being the tokens it may still emit (max_tokens). A
+        walk past that is cut, and a long chain's walks are cut more: on the demo pair at T = 0,
+        c = 4 (64 tokens a request), 8.5% of the chain's walked tokens lay past the end and 3% of
+        the tree of 8's, so by walks the chain led by 2.4% a round where in tokens kept the tree
+        of 8 did by 3.5%."""
         rows = plan.draft_rows if len(accepted) > plan.drafting else range(len(accepted))
-        accepted = [accepted[i] for i in rows]
-        cap = [room[i] - 1 for i in rows] if room is not None else None
+        cap = [room[i] - 1 for i in rows] if room is not None else [self.depth] * len(rows)
         if plan.arm == CHAIN_ARM:
-            kept = [min(a, c) for a, c in zip(accepted, cap)] if cap is not None else None
-            self.selector.observe(plan.cls, len(accepted), None, accepted, kept)
-            return extras
-        m = plan.measure
-        measured = extras[:, -(m + 1):]
-        tree = measured[:, :m] if cap is None else np.minimum(measured[:, :m], np.array(cap, dtype=float)[:, None])
-        self.selector.observe(plan.cls, len(accepted), tree, measured[:, m])
-        return extras[:, : -(m + 1)] if extras.shape[1] > m + 1 else None
+            walked = [accepted[i] for i in rows]
+            self.selector.observe(plan.cls, len(walked), None, walked, [min(a, c) for a, c in zip(walked, cap)])
+            return
+        tree = [[min(x, c) for x in by] for (by, _), c in zip(measured, cap)]
+        self.selector.observe(plan.cls, len(tree), tree, [run for _, run in measured])
 
     def curve_columns(self, plan: RoundPlan) -> int:
         """Tree-curve columns the round reads back: the grid sizes up to the tree's budget."""
         return int(np.searchsorted(self.grid, plan.budget, side="right")) if plan.budget else 0
 
     def observe(self, plan: RoundPlan, slots: list[int], extras: np.ndarray | None, accepted: list[int],
-                room: list[int] | None = None) -> None:
+                room: list[int] | None = None, measured: list[tuple[list[float], float]] | None = None) -> None:
         """Fold in a round's outcome. extras [drafting, 2 * cols + 5 * depth], per drafting row (see
         runner.round_extras): spine nodes and branch reach of the top-b tree at the grid columns,
         the spine reach per depth, then per depth and kind the drafter's predicted accepted nodes
         and the observed ones. accepted: drafted tokens accepted, per batch row. room: per batch
-        row, the tokens its request could still emit before the round (None: no limit)."""
+        row, the tokens its request could still emit before the round (None: no limit).
+        measured: in the selector's tree rounds, per drafting row, what each grid size up to the
+        round's accepted and the run along the spine (by_size)."""
         if plan.arm is not None and plan.drafting:
-            extras = self._observe_arm(plan, extras, accepted, room)
+            self._observe_arm(plan, accepted, room, measured)
         if extras is None or not plan.drafting or not plan.learn:
             return
         rows = plan.draft_rows

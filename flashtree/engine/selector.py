@@ -42,6 +42,7 @@ round does: no per-row plan and, apart from the per-size accepted counts, nothin
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections import deque
@@ -71,6 +72,7 @@ PROBE_PRICE = 0.25  # a probe from AR steps after one that left AR ahead costs a
 #                     other round drafted. The first of a stretch stays cheap: a dip recovers fast.
 STALE_WEIGHT = 8  # a drafting round after a stretch of AR steps moves the level as up to this many would
 TIME_WINDOW, TIMED = 16, 3  # timed rounds kept per (batch size, arm); how many make its bias
+THIN = 8  # a runner-up timed in fewer of its own rounds at this batch size is explored first
 TREE_PRIOR = 8  # rounds' worth of weight the trees' pooled bias has in one tree's (ArmTimes)
 LOAD_WINDOW = 5  # timed rounds whose median is the machine's load (ArmTimes): a round that also
 #                 flushed held-back context does not move it, a lasting change of speed does in 3
@@ -301,6 +303,7 @@ class Selector:
             # From AR steps: the best drafting arm, priced at its hopeful rate (cheap while
             # drafting may well pay, dear once it has shown it does not). Else the stalest
             # runner-up, the two most hopeful never timed at this batch size first.
+            thin: dict[int, bool] = {}
             if best == AR_ARM:
                 cand = probe
                 floor = PROBE_PRICE if s.probes else 0.0
@@ -311,11 +314,19 @@ class Selector:
                 # spent the credit at twice the best's round. On the demo pair at T = 0, c = 4
                 # the tree of 8 was measured in 10 rounds of a run, and predicted 3.4 tokens for
                 # the 4.4 the fixed ddtree-8 accepted.
+                # Then the runners-up whose seconds rest on few of their own rounds: a tree is
+                # measured inside every bigger tree's rounds but timed only in its own, so its age
+                # says nothing of its price. On the demo pair at T = 0, c = 4 the tree of 8, played
+                # in few rounds, was priced at the trees' pooled bias, 3% above its own rounds
+                # (the model's error is partly additive: small trees' bias is larger), and the
+                # trees of 4 and 6 took its rounds at 0.91-0.96x the fixed ddtree-8.
                 cost = {a: max(0.0, seconds.get(a, ar_seconds) * (1.0 - rates[a] / rates[best])) for a in plausible}
-                cand = max(plausible, key=lambda a: (a in ranked[:2] and timed.get(a, TIMED) < TIMED,
+                thin = {a: a in ranked[:2] and timed.get(a, TIME_WINDOW) < THIN for a in plausible}
+                cand = max(plausible, key=lambda a: (a in ranked[:2] and timed.get(a, TIMED) < TIMED, thin[a],
                                                      self._age(s, a), -cost[a]))
                 price = cost[cand]
-            if (self._age(s, cand) > 1 or timed.get(cand, TIMED) < TIMED) and s.credit >= price:
+            if (self._age(s, cand) > 1 or timed.get(cand, TIMED) < TIMED or thin.get(cand, False)) \
+                    and s.credit >= price:
                 s.credit -= price
                 s.probes += best == AR_ARM
                 self.probing = best == AR_ARM
@@ -454,16 +465,16 @@ class Selector:
         long = max(1.0 - (1.0 - LONG_RATE) ** rows, 1.0 / s.rounds)
         s.long_level += long * (b - s.long_level)
         s.gap = 1
-        if tree is not None and tree.shape[1]:
+        if tree is not None and len(tree[0]):
             # Per column, what it accepts over the next smaller one, measured in the same rounds
             # (one round measures both exactly): a column's own average over the rounds that
             # reached it drifts from its neighbour's, which were other rounds. On the demo pair at
             # T = 0, c = 1 the tree of 12 had measured 2.03 x the base and the tree of 15 1.73 x:
             # the tree of 12 was predicted 5.3 tokens where its own rounds accepted 4.2, and every
             # bigger tree as much (a bigger tree never accepts less).
-            # (One tolist, then plain Python: between two forwards each numpy call costs ~10 us,
-            # and this ran at 145 us a round as numpy.)
-            table = tree.tolist()
+            # (Plain Python: between two forwards each numpy call costs ~10 us, and this ran at
+            # 145 us a round as numpy.)
+            table = tree.tolist() if isinstance(tree, np.ndarray) else tree
             n = len(table)
             x = [sum(col) / n for col in zip(*table)]
             self._fold(s, 0, [x[0]] + [x[j] - x[j - 1] for j in range(1, len(x))], b, rows)
@@ -496,6 +507,26 @@ class Selector:
         s = self._class(cls)
         s.clock += 1
         s.gap += 1
+
+
+def by_size(codes: list[int], sizes: list[int]) -> tuple[list[int], int]:
+    """What one tree round measured, from its accepted path's codes (runner.path_codes: per node,
+    root first, 2 x its rank in the tree's order + 1 where it is its parent's best child; -1 past
+    the path): the drafted tokens the top-b tree would have accepted, for each b in sizes, and
+    the path's run along the spine.
+
+    Exact (tree/value.py accepted_by_size says why): the top-b tree holds the nodes ranked 1..b,
+    and ranks grow along a path (a child never outranks its parent), so it accepts the path's
+    nodes ranked b or better."""
+    ranks = []
+    run, spine = 0, True
+    for c in codes[1:]:
+        if c < 0:
+            break
+        ranks.append(c >> 1)
+        spine = spine and bool(c & 1)
+        run += spine
+    return [bisect.bisect_right(ranks, b) for b in sizes], run
 
 
 def arm_value(estimate: tuple[list[float], float], arm: int) -> float:

@@ -204,17 +204,19 @@ def build_tree(root_tokens: Tensor, draft_logits: Tensor, budget: int | Tensor, 
     parent_rank = pair_p[picked].flatten(1)
     token = tok_id.gather(2, pair_t[picked]).flatten(1)
 
+    sibling = pair_t[picked].flatten(1)
     top_score, top = _topk(scores, bmax)
-    return assemble(root_tokens, scores, parent_rank, token, top_score, top, budget, bmax)
+    return assemble(root_tokens, scores, parent_rank, token, top_score, top, budget, bmax, sibling)
 
 
 def assemble(root_tokens: Tensor, scores: Tensor, parent_rank: Tensor, token: Tensor, top_score: Tensor,
-             top: Tensor, budget: int | Tensor, bmax: int) -> TreeSpec:
+             top: Tensor, budget: int | Tensor, bmax: int, sibling: Tensor) -> TreeSpec:
     """Flatten per-depth levels into a TreeSpec: the top-budget of their union (top_score/top,
     already in the tie order) re-sorted by (depth, level rank), parents mapped to output slots.
 
-    scores, parent_rank, token [R, D*bmax]: level d's rank-i entry at flat index d*bmax + i, its
-    parent's rank in level d-1 and its token. Shared by the marginal and the Markov builders.
+    scores, parent_rank, token, sibling [R, D*bmax]: level d's rank-i entry at flat index
+    d*bmax + i, its parent's rank in level d-1, its token, and its rank among its parent's
+    children (0: the best child). Shared by the marginal and the Markov builders.
     """
     R, flat_len = scores.shape
     D = flat_len // bmax
@@ -223,7 +225,8 @@ def assemble(root_tokens: Tensor, scores: Tensor, parent_rank: Tensor, token: Te
     if isinstance(budget, Tensor):
         budget = budget.to(dev).reshape(-1, 1)
     chosen = (rank < budget) & (top_score > float("-inf"))
-    order = torch.where(chosen, top, D * bmax).sort(dim=1).values  # by (depth, level rank); padding last
+    # By (depth, level rank), padding last; `place` is each output node's position in `top`.
+    order, place = torch.where(chosen, top, D * bmax).sort(dim=1)
     keep = order < D * bmax
     flat = order.clamp(max=D * bmax - 1)
     depth = flat // bmax + 1
@@ -243,6 +246,8 @@ def assemble(root_tokens: Tensor, scores: Tensor, parent_rank: Tensor, token: Te
         max_depth=min(D, bmax),
         scores=torch.cat([torch.zeros_like(root, dtype=scores.dtype),
                           torch.where(keep, scores.gather(1, flat), float("-inf"))], 1),
+        ranks=torch.cat([torch.zeros_like(root), place + 1], 1),
+        first=torch.cat([torch.ones_like(root, dtype=torch.bool), sibling.gather(1, flat) == 0], 1),
     )
 
 

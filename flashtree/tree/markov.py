@@ -78,7 +78,7 @@ def build_markov_tree(root_tokens: Tensor, cand_tokens: Tensor, trans_logp: Tens
     score = torch.full((R, bmax), float("-inf"), device=dev)  # level 0: the root alone
     score[:, 0] = 0.0
     cand_of = torch.zeros(R, bmax, dtype=torch.int64, device=dev)  # each level member's candidate index
-    scores, parent_ranks, cands = [], [], []
+    scores, parent_ranks, cands, siblings = [], [], [], []
     prune = dev.type == "cpu" if prune is None else prune
     best_next = trans.flatten(2).amax(-1).tolist() if prune else None
     floor = [float("-inf")] * R  # per row: the worst score among the best bmax found so far
@@ -94,6 +94,7 @@ def build_markov_tree(root_tokens: Tensor, cand_tokens: Tensor, trans_logp: Tens
         cand_of = child_idx[:, d].flatten(1).gather(1, flat).gather(1, sel)
         scores.append(score)
         parent_ranks.append(pi[sel])
+        siblings.append(pt[sel])
         cands.append(cand_of)
         if prune and d + 1 < min(D, bmax):
             # A member of T one level deeper extends a member of C_d: it scores at most
@@ -108,7 +109,8 @@ def build_markov_tree(root_tokens: Tensor, cand_tokens: Tensor, trans_logp: Tens
     token = cand_tokens[:, :D].gather(2, torch.stack(cands, 1)).flatten(1)
 
     top_score, top = _top(scores, bmax)
-    return assemble(root_tokens, scores, parent_rank, token, top_score, top, budget, bmax)
+    return assemble(root_tokens, scores, parent_rank, token, top_score, top, budget, bmax,
+                    torch.stack(siblings, 1).flatten(1))
 
 
 def build_markov_chain(root_tokens: Tensor, cand_tokens: Tensor, trans_logp: Tensor) -> TreeSpec:

@@ -22,6 +22,12 @@ class TreeSpec:
     is_chain: bool = False  # every row is a plain chain (parents[i] = i-1) with no padding
     max_depth: int | None = None
     scores: Tensor | None = None  # [R, N] drafter log-prob of each node's prefix (root 0, padding -inf)
+    # Built trees also record, per node, its place in the tree's own order (the tie rule's: the
+    # top-b subtree is the nodes ranked 1..b; root 0) and whether it is its parent's best child
+    # (the root counts as one): what a walk's path needs to say what every smaller tree and the
+    # chain of best children would have accepted. Padding nodes: any value (no walk reaches them).
+    ranks: Tensor | None = None  # [R, N] int64
+    first: Tensor | None = None  # [R, N] bool
 
     @property
     def num_nodes(self) -> int:
