@@ -302,7 +302,13 @@ class Policy:
 
     def plan(self, reqs: list[Request]) -> RoundPlan:
         """The selector's measured arm for a batch whose requests sample alike; the per-request
-        split where they do not."""
+        split where they do not. A batch of requests seated plain (admit) takes AR steps without
+        a plan: that is the steady state where drafting does not pay, and every microsecond
+        spent there is lost against an `ar` engine."""
+        if not any(r.speculative for r in reqs):
+            self.rounds += 1
+            self.ticks += 1
+            return self._arm_table(len(reqs))[1][AR_ARM]
         classes = {sampling_class(r.params) for r in reqs}
         if len(classes) == 1:
             return self._select(reqs, classes.pop())
