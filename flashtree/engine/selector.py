@@ -37,7 +37,8 @@ seen for the first time opens with the largest tree that costs at most twice the
 drafting round, which measures many sizes.
 
 The plans are the fixed methods' own (every row alike), so a round costs what that fixed method's
-round does: no per-row plan and, apart from the per-size accepted counts, nothing read back.
+round does: no per-row plan and, apart from a tree round's accepted path codes (integers read
+beside its tokens, decoded by by_size), nothing read back.
 """
 
 from __future__ import annotations
@@ -439,7 +440,7 @@ class Selector:
 
     # ---- learning ----------------------------------------------------------------------------
 
-    def observe(self, cls: int, rows: int, tree: np.ndarray | None, run: np.ndarray | list[int],
+    def observe(self, cls: int, rows: int, tree: list[list[float]] | np.ndarray | None, run: np.ndarray | list,
                 kept: list[int] | None = None) -> None:
         """One drafting round of `rows` rows. run [rows]: the accepted path's run along the spine
         (a chain round: the chain's accepted tokens). tree [rows, cols]: a tree round's accepted
