@@ -48,7 +48,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -59,6 +59,7 @@ BASE_DEPTH = 3  # the level counts the accepted path's first BASE_DEPTH spine no
 SHAPE_PRIOR = 0.5  # P: base tokens added to both sides of a shape, so it stays finite where the base is ~0
 KNOWN = 3  # rounds of evidence before an arm's estimate is trusted
 CHAIN_PRIOR = 16  # rows' worth of weight the tree of the chain's size has in the chain's estimate
+CHAIN_THIN = 64  # a hopeful chain measured in fewer rows than this is explored first
 COLD_ROUNDS = 3  # drafting rounds a new class opens with (the exploration tree)
 COLD_COST = 2.0  # the opening tree may cost this many times the cheapest drafting round
 EXPLORE_SHARE = 0.015  # share of round time that pays for exploration while drafting wins (0.03 lost 2-4%)
@@ -88,8 +89,9 @@ class ClassStats:
     columns, then the chain): slow averages of the arm's accepted tokens (a tree column: those
     over the next smaller column's) and of the base over the rounds that measured the arm, so
     num/den is its shape (a tree's: the sum up to its column), measured in the same rounds as
-    its base. seen: rounds of evidence per arm; measured_at: the class's round (its clock) when
-    each arm was last measured, so an arm's age is clock - measured_at (an AR round only ticks)."""
+    its base. seen: rounds of evidence per arm; measured_at and played_at: the class's round (its
+    clock) when each arm was last measured and last played, so an arm's age is clock - the older
+    of the two (an AR round only ticks)."""
 
     num: list[float]  # (lists, not arrays: a drafting round reads and writes single entries, and
     den: list[float]  #  on a small target each numpy call between two forwards costs ~10 us)
@@ -114,6 +116,7 @@ class ClassStats:
     keep: tuple = (0, 0, AR_ARM, 0.0, 0.0)
     probes: int = 0  # probes from AR steps since a drafting arm was last the best
     ar_at: float = -math.inf  # the class's round when AR steps were last played to time them
+    played_at: list[float] = field(default_factory=list)
 
 
 class Selector:
@@ -136,7 +139,7 @@ class Selector:
             n = len(self.grid) + 1
             g = len(self.grid)
             self.stats[cls] = ClassStats([0.0] * n, [0.0] * n, [0.0] * n, [-math.inf] * n, [0.0] * n,
-                                         [1.0] * g, [1.0] * g, [1.0] * g)
+                                         [1.0] * g, [1.0] * g, [1.0] * g, played_at=[-math.inf] * n)
         return self.stats[cls]
 
     # ---- estimates ---------------------------------------------------------------------------
@@ -323,6 +326,15 @@ class Selector:
                 # trees of 4 and 6 took its rounds at 0.91-0.96x the fixed ddtree-8.
                 cost = {a: max(0.0, seconds.get(a, ar_seconds) * (1.0 - rates[a] / rates[best])) for a in plausible}
                 thin = {a: a in ranked[:2] and timed.get(a, TIME_WINDOW) < THIN for a in plausible}
+                # And the chain while its own rows are few and it may well be the best: only its
+                # own rounds measure it, where every tree round measures the smaller trees, so
+                # stalest-first gave it one round in thirty. On the demo pair at T = 0, c = 1 it
+                # rested on 11 rounds after 389 and was predicted 2% below the tree of 12, where
+                # the fixed dflash ran 6% faster than ddtree-12; auto played trees in 55-97% of
+                # its rounds in two engines of five (0.95x dflash).
+                if CHAIN_ARM in plausible and s.weight[len(self.grid)] < CHAIN_THIN \
+                        and hope[CHAIN_ARM] >= rates[best]:
+                    thin[CHAIN_ARM] = True
                 cand = max(plausible, key=lambda a: (a in ranked[:2] and timed.get(a, TIMED) < TIMED, thin[a],
                                                      self._age(s, a), -cost[a]))
                 price = cost[cand]
@@ -425,7 +437,16 @@ class Selector:
         return float(s.seen[self._slot(arm)])
 
     def _age(self, s: ClassStats, arm: int) -> float:
-        return float(s.clock - (s.ar_at if arm == AR_ARM else s.measured_at[self._slot(arm)]))
+        """Rounds since the arm was last measured or last played, whichever is older. A tree is
+        measured in every bigger tree's round but timed only in its own: by measurement alone
+        the trees below the one played were never stale, their prices rested on rounds from
+        other stretches, and on the demo pair at T = 0, c = 1 one engine of five played the tree
+        of 32, priced 2% above the tree of 16 where the fixed cells ran it 26% dearer (0.85x
+        dflash)."""
+        if arm == AR_ARM:
+            return float(s.clock - s.ar_at)
+        i = self._slot(arm)
+        return float(s.clock - min(s.measured_at[i], s.played_at[i]))
 
     def predicted(self, cls: int, arm: int) -> float:
         """The arm's expected drafted tokens accepted per row. In rounds decided ahead (kept), the
@@ -466,6 +487,7 @@ class Selector:
         long = max(1.0 - (1.0 - LONG_RATE) ** rows, 1.0 / s.rounds)
         s.long_level += long * (b - s.long_level)
         s.gap = 1
+        s.played_at[len(tree[0]) - 1 if tree is not None and len(tree[0]) else G] = s.clock
         if tree is not None and len(tree[0]):
             # Per column, what it accepts over the next smaller one, measured in the same rounds
             # (one round measures both exactly): a column's own average over the rounds that
