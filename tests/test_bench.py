@@ -299,7 +299,8 @@ def test_policy_grid_keeps_concurrency_and_equal_tokens(pair, tmp_path, capsys):
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
     assert len(data["summary"]) == 4 and all(r["same_tokens"] for r in data["summary"])
-    assert {c["label"] for c in data["cells"]} == {"ar", "dflash", "ddtree-4", "auto"}
+    assert {c["label"] for c in data["cells"]} == {"ar", "dflash", "ddtree-4", "auto", "ar-twin"}
+    assert all(r["best"] != "ar-twin" and r["twin_vs_ar"] > 0 for r in data["summary"])
     # c = 3 has fewer prompts than a stream (CHUNK x 3): they are reused, so the batch refills.
     assert all(c["tokens"] == (4 if c["concurrency"] == 1 else CHUNK * 3) * 6 for c in data["cells"])
     assert "| T | c |" in capsys.readouterr().out

@@ -61,6 +61,8 @@ def register(subparsers) -> None:
                         "concurrency (default T 0,0.7,1 x c 1,4,16, budgets 4..64, 16 prompts of 64 tokens)")
     p.add_argument("--concurrency", type=_list(int), default=None, help="--policy-grid: requests in flight (default 1,4,16)")
     p.add_argument("--passes", type=int, default=2, help="--policy-grid: runs of every wave per cell (default 2)")
+    p.add_argument("--no-twin", action="store_true",
+                   help="--policy-grid: skip the second `ar` cell that shows the spread between identical cells")
     p.set_defaults(func=bench, method=None, budget=None)
 
 
@@ -90,7 +92,7 @@ def policy_grid(args: argparse.Namespace) -> None:
         temperatures=args.temperatures or defaults.temperatures, concurrency=args.concurrency or defaults.concurrency,
         budgets=args.budgets or defaults.budgets, suites=args.suites or defaults.suites,
         num_prompts=args.num_prompts or defaults.num_prompts, max_tokens=args.max_tokens or defaults.max_tokens,
-        passes=args.passes, seed=args.seed)
+        passes=args.passes, seed=args.seed, twin=not args.no_twin)
     out = Path(args.out if args.out != "runs/bench" else "runs/bench/policy")
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,8 @@ cache, its first measured pass at T = 0 ran up to 8% below its second. The engin
 without the prefix cache: the prompts repeat across streams, and how often a slot still held
 one would depend on each method's finishing order. Requests are seeded and run to max_tokens,
 so with seed-exact sampling every cell produces the same tokens: the table checks that too.
+A second `ar` cell (ar-twin, never the best) shows how far apart identical engines come out in
+the same run, the scale against which auto's ratios are read.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ BUDGETS = [4, 8, 16, 32, 64]
 GOAL = 0.97  # auto's throughput against the best cell and against ar
 CHUNK = 4  # prompts per stream, in multiples of the concurrency: cells take turns stream by stream
 SLICE = 0.25  # seconds of its own steps a cell runs before the next one steps (run_interleaved)
+# A second `ar` cell, not a candidate for the best: identical engines stepped in the same turns
+# came out up to 5% apart on this box (six dflash engines, 3 passes, T = 0, c = 1: 0.951-1.000x
+# the fastest; a different turn order reshuffled which), so the table shows that spread beside
+# auto's ratios.
+TWIN = "ar-twin"
 
 
 @dataclass
@@ -65,6 +72,7 @@ class PolicyGridSpec:
     max_tokens: int = 64
     passes: int = 2  # times each cell runs every stream
     seed: int = 0
+    twin: bool = True  # a second `ar` engine: the spread between identical cells in the same run
 
     def validate(self) -> None:
         if not self.temperatures or any(t < 0 for t in self.temperatures):
@@ -77,7 +85,7 @@ class PolicyGridSpec:
             raise FlashtreeError("num_prompts, max_tokens and passes must be >= 1")
 
     def labels(self) -> list[str]:
-        return ["ar", "dflash"] + [f"ddtree-{b}" for b in self.budgets] + ["auto"]
+        return ["ar", "dflash"] + [f"ddtree-{b}" for b in self.budgets] + ["auto"] + ([TWIN] if self.twin else [])
 
 
 @dataclass
@@ -98,7 +106,7 @@ class GridCell:
 
 
 def _config(spec: PolicyGridSpec, label: str, batch: int, max_model_len: int | None) -> EngineConfig:
-    method, budget = ("ddtree", "auto") if label == "auto" else (label, 64)
+    method, budget = ("ddtree", "auto") if label == "auto" else ("ar" if label == TWIN else label, 64)
     if label.startswith("ddtree-"):
         method, budget = "ddtree", int(label.split("-")[1])
     return EngineConfig(target=spec.target, drafter=spec.drafter, method=method, budget=budget,
@@ -247,14 +255,16 @@ def summary(result: dict) -> list[dict]:
     for t in spec["temperatures"]:
         for c in spec["concurrency"]:
             cells = {k[2]: v for k, v in result["cells"].items() if k[0] == t and k[1] == c}
-            fixed = {k: v for k, v in cells.items() if k != "auto"}
+            fixed = {k: v for k, v in cells.items() if k not in ("auto", TWIN)}
             best = max(fixed, key=lambda k: fixed[k].tokens_per_s)
             auto, ar = cells["auto"], cells["ar"]
             same = all(v.outputs == ar.outputs for v in cells.values())
+            twin = cells.get(TWIN)
             rows.append({"temperature": t, "concurrency": c,
                          "tok_s": {k: v.tokens_per_s for k, v in cells.items()}, "best": best,
                          "auto_vs_best": auto.tokens_per_s / fixed[best].tokens_per_s,
                          "auto_vs_ar": auto.tokens_per_s / ar.tokens_per_s,
+                         "twin_vs_ar": twin.tokens_per_s / ar.tokens_per_s if twin else None,
                          "auto_modes": dict(auto.modes), "same_tokens": same,
                          "auto_tau": (auto.accepted + auto.rounds) / max(1, auto.rounds)})
     return rows
@@ -262,9 +272,11 @@ def summary(result: dict) -> list[dict]:
 
 def markdown(result: dict) -> str:
     rows = summary(result)
-    labels = list(rows[0]["tok_s"]) if rows else []
-    head = "| T | c | " + " | ".join(labels) + " | best | auto / best | auto / ar | auto's rounds (ar/chain/tree) | same tokens |"
-    lines = [head, "|" + "---|" * (len(labels) + 7)]
+    labels = [k for k in rows[0]["tok_s"] if k != TWIN] if rows else []
+    twin = bool(rows) and rows[0]["twin_vs_ar"] is not None
+    head = ("| T | c | " + " | ".join(labels) + " | best | auto / best | auto / ar | auto's rounds (ar/chain/tree) | same tokens |"
+            + (" ar twin / ar |" if twin else ""))
+    lines = [head, "|" + "---|" * (len(labels) + 7 + twin)]
     for r in rows:
         best = r["best"]
         toks = [f"**{r['tok_s'][k]:.1f}**" if k == best else f"{r['tok_s'][k]:.1f}" for k in labels]
@@ -274,7 +286,8 @@ def markdown(result: dict) -> str:
         ok = lambda x: f"{x:.2f}x" + ("" if x >= GOAL else " ✗")  # noqa: E731
         lines.append(f"| {r['temperature']:g} | {r['concurrency']} | " + " | ".join(toks)
                      + f" | {best} | {ok(r['auto_vs_best'])} | {ok(r['auto_vs_ar'])} | {mix} | "
-                     + ("yes" if r["same_tokens"] else "NO") + " |")
+                     + ("yes" if r["same_tokens"] else "NO") + " |"
+                     + (f" {r['twin_vs_ar']:.2f}x |" if twin else ""))
     return "\n".join(lines)
 
 

@@ -66,6 +66,7 @@ EXPLORE_SHARE = 0.015  # share of round time that pays for exploration while dra
 PROBE_MIN = 0.002  # ... and where AR wins by a wide margin
 HOLD_MAX = 64  # AR rounds decided at once, at most
 KEEP_MAX, KEEP_STEP = 4, 0.01  # drafting rounds decided at once, at most; the lead each one needs
+KEEP_MIN = 2  # ... and at least, near a tie too
 KEEP_AFTER = 16  # rounds of a class before a drafting choice is kept for more than its round
 AR_MARGIN = 1.03  # a drafting arm is played over AR steps only where it predicts this much more
 TIE = 1.02  # drafting arms predicted within this factor of the best tie: the cheapest is played
@@ -362,12 +363,12 @@ class Selector:
         moves a shape by about a percent at most once its arm rests on a hundred rows, and the
         level scales every drafting arm alike. On the demo pair at T = 0, c = 1 the choice took
         0.16 ms a round in place (its caches cold after the forward), 60% of what auto adds to a
-        chain round there, and auto forced onto the chain ran 2-4% behind the fixed dflash."""
+        chain round there, and auto forced onto the chain ran 2-4% behind the fixed dflash.
+        Near a tie too, KEEP_MIN rounds: there the choice costs little either way, and at
+        T = 0, c = 1 (the chain and the trees of 12-16 within a few percent) every round chose."""
         rival = max((r * (self.margin if a == AR_ARM else 1.0) for a, r in known.items()
                      if a != best and a not in tied), default=0.0)
-        if rival <= 0:
-            return
-        ahead = min(KEEP_MAX, int((known[best] / rival - 1.0) / KEEP_STEP))
+        ahead = KEEP_MAX if rival <= 0 else min(KEEP_MAX, max(KEEP_MIN, int((known[best] / rival - 1.0) / KEEP_STEP)))
         if ahead > 0:
             # s.estimate is fresh: choose has just priced the arms.
             s.keep = (rows, ahead, best, per_round, arm_value(s.estimate, best))
