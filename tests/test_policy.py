@@ -301,8 +301,8 @@ def test_selector_follows_cost_and_batch():
 def test_ar_steps_are_timed_while_drafting_leads():
     """Drafting rounds run 1.5x the cost model, AR steps at it. Never timed, AR steps would be
     priced at the drafting arms' error (1.5x too); only their own rounds correct that, and
-    while drafting leads none would be played. So a few are, to time them (TIMED of them, as the
-    opening rounds end), and from then on AR steps are priced at their own seconds."""
+    while drafting leads none would be played. So a few are, to time them (TIMED of them, between the
+    opening's drafting rounds), and from then on AR steps are priced at their own seconds."""
     policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
     reqs = _requests(16)
     plans = []
@@ -378,6 +378,60 @@ def test_ar_steps_priced_by_a_few_slow_rounds_are_timed_again_while_drafting_lea
     assert sum(p.drafting for p in plans[-200:]) < 0.1 * 200 * 16
     modelled = policy._arm_table(16)[0]
     assert policy.times.seconds(16, modelled)[AR_ARM] == pytest.approx(modelled[AR_ARM], rel=0.05)
+
+
+def test_the_openings_ar_steps_are_timed_between_its_drafting_rounds():
+    """The machine runs at half speed for the first two rounds, then at full (a shared box's other
+    job ends). The opening times AR steps between its drafting rounds, not after them, so both
+    arms have one slow round of three and their prices keep the cost model's ratio; timed after
+    them, AR steps would be priced at half a drafting round's ratio and played where drafting
+    leads."""
+    policy = Policy(_cost(1e-4, draft=2e-4), 16, 16, 64, 4096)
+    reqs = _requests(16)
+    timed, count = policy.timed, []
+
+    def busy_at_first(plan, rows, seconds, held=(0.0, 0)):
+        count.append(plan)
+        timed(plan, rows, seconds * (2.0 if len(count) <= 2 else 1.0), held)
+
+    policy.timed = busy_at_first
+    plans = []
+    for _ in range(60):
+        plans.append(policy.plan(reqs))
+        _feed(policy, plans[-1], reqs, accept=0.6)
+    assert [bool(p.drafting) for p in plans[:2 * TIMED]] == [True, False] * TIMED
+    modelled = policy._arm_table(16)[0]
+    priced = policy.times.seconds(16, modelled)
+    drafted = plans[0].arm
+    ratio = (priced[AR_ARM] / priced[drafted]) / (modelled[AR_ARM] / modelled[drafted])
+    assert ratio == pytest.approx(1.0, rel=0.05)
+    assert sum(p.drafting == 16 for p in plans[-30:]) > 25
+
+
+def test_a_drafting_price_from_slow_rounds_is_timed_again_from_ar_steps():
+    """Drafting rounds run 2x the cost model for the first 40 rounds (cold caches, a busy
+    machine), then at it; AR steps always at it. At the slow price AR steps win and are played.
+    A probe from AR steps drafts a few rows, which measures acceptance but not the price, so
+    until THIN of its rounds are timed at this batch size a probe drafts every row: the price
+    comes down and drafting, the better arm at its true price, is played again."""
+    policy = Policy(_cost(1e-4, draft=2e-4), 16, 16, 64, 4096)
+    reqs = _requests(16)
+    timed, count = policy.timed, []
+
+    def slow_early_drafts(plan, rows, seconds, held=(0.0, 0)):
+        count.append(plan)
+        timed(plan, rows, seconds * (2.0 if plan.drafting and len(count) <= 40 else 1.0), held)
+
+    policy.timed = slow_early_drafts
+    plans = []
+    for _ in range(1500):
+        plans.append(policy.plan(reqs))
+        _feed(policy, plans[-1], reqs, accept=0.5)
+    assert sum(not p.drafting for p in plans[10:40]) > 25  # AR steps, at the slow price
+    assert sum(p.drafting == 16 for p in plans[-200:]) > 0.8 * 200
+    modelled = policy._arm_table(16)[0]
+    arm = plans[-1].arm
+    assert policy.times.seconds(16, modelled)[arm] / modelled[arm] < 1.2 * policy.times.load
 
 
 def test_held_back_context_is_priced_to_ar_steps_not_to_the_next_drafting_round():
@@ -835,3 +889,4 @@ def test_metrics_expose_the_policy():
                  "flashtree_policy_draft_nodes_sum 31.0", "flashtree_policy_predicted_accepted_sum 3.75",
                  "flashtree_policy_predicted_accepted_count 2.0", "flashtree_policy_accepted_sum 4.0"):
         assert line in text, line
+

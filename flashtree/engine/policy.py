@@ -441,7 +441,7 @@ class Policy:
             self.selector.idle(cls)
             self.ticks += 1
             return dataclasses.replace(plan, timed=True) if self.selector.timing else plan
-        if self.selector.probing and len(rows) > PROBE_ROWS * R:
+        if self.selector.probing and not self.selector.retime and len(rows) > PROBE_ROWS * R:
             # A probe from AR steps measures acceptance, a per-row average: a few rows (in turn)
             # do, at a fraction of a whole batch's drafting round and held-back context.
             k = max(1, int(PROBE_ROWS * R))

@@ -34,7 +34,10 @@ so a class whose drafts never pay (T = 1 with a weak drafter) hardly ever drafts
 are decided ahead until the next probe is affordable; a drafting arm that clearly leads is
 decided a few rounds ahead too (kept), the choice being most of a round's host work. A class
 seen for the first time opens with the largest tree that costs at most twice the cheapest
-drafting round, which measures many sizes.
+drafting round, which measures many sizes, with AR steps timed between those rounds (an arm's
+price is only worth its ratio to the others', so they are timed in the same seconds). A probe
+from AR steps drafts a few rows, or all of them while the arm's price at this batch size rests
+on few of its own rounds.
 
 The plans are the fixed methods' own (every row alike), so a round costs what that fixed method's
 round does: no per-row plan and, apart from a tree round's accepted path codes (integers read
@@ -131,6 +134,7 @@ class Selector:
         self.wide_cost = COLD_COST
         self.probing = False
         self.timing = False
+        self.retime = False
         # The tree column of the chain's size (or the largest): the chain's estimate leans on it.
         self.chain_twin = min(int(np.searchsorted(grid, depth)), len(grid) - 1)
         self.caps = [min(float(b), float(depth)) for b in grid]  # a tree of b nodes accepts b tokens at most
@@ -234,11 +238,19 @@ class Selector:
         s = self._class(cls)
         self.probing = False  # set when the arm returned is a probe from AR steps
         self.timing = False  # ... or AR steps played to time them while drafting leads
+        self.retime = False  # ... a probe drafting every row, its price at this batch size thin
         s.keep = (0, 0, AR_ARM, 0.0, 0.0)
         drafting = [a for a in seconds if a != AR_ARM]
         if not drafting:
             return AR_ARM
         if s.rounds < COLD_ROUNDS:
+            if s.rounds and s.gap == 1 and timed is not None and timed.get(AR_ARM, TIMED) < TIMED:
+                # The opening's AR steps are timed between its drafting rounds, not after them:
+                # on a shared machine the speed changes by the second, and AR's price is only
+                # worth its ratio to the drafting arms' (see the timing below).
+                self.timing = True
+                s.ar_at = s.clock
+                return AR_ARM
             cheapest = min(seconds[a] for a in drafting)
             trees = [a for a in drafting if a >= 0 and seconds[a] <= COLD_COST * cheapest]
             if trees:
@@ -344,6 +356,12 @@ class Selector:
                 s.credit -= price
                 s.probes += best == AR_ARM
                 self.probing = best == AR_ARM
+                # A probe from AR steps drafts a few rows, which measures acceptance but not the
+                # arm's price at this batch size, and only its own timed rounds correct that: on
+                # a shared machine, the tree of 6 timed in three slow rounds stood at 1.9x AR's
+                # ratio to the model (1.1x where they ran in the same seconds), and every round
+                # after took AR steps. Until THIN of its rounds are timed here it drafts them all.
+                self.retime = self.probing and timed.get(cand, TIME_WINDOW) < THIN
                 if cand == AR_ARM:
                     self.timing = True
                     s.ar_at = s.clock
