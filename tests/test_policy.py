@@ -301,8 +301,9 @@ def test_selector_follows_cost_and_batch():
 def test_ar_steps_are_timed_while_drafting_leads():
     """Drafting rounds run 1.5x the cost model, AR steps at it. Never timed, AR steps would be
     priced at the drafting arms' error (1.5x too); only their own rounds correct that, and
-    while drafting leads none would be played. So a few are, to time them (TIMED of them, between the
-    opening's drafting rounds), and from then on AR steps are priced at their own seconds."""
+    while drafting leads none would be played. So a few are, to time them (TIMED of them,
+    between the opening's drafting rounds), and from then on AR steps are priced at their own
+    seconds."""
     policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
     reqs = _requests(16)
     plans = []
@@ -889,4 +890,3 @@ def test_metrics_expose_the_policy():
                  "flashtree_policy_draft_nodes_sum 31.0", "flashtree_policy_predicted_accepted_sum 3.75",
                  "flashtree_policy_predicted_accepted_count 2.0", "flashtree_policy_accepted_sum 4.0"):
         assert line in text, line
-

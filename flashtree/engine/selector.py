@@ -248,9 +248,7 @@ class Selector:
                 # The opening's AR steps are timed between its drafting rounds, not after them:
                 # on a shared machine the speed changes by the second, and AR's price is only
                 # worth its ratio to the drafting arms' (see the timing below).
-                self.timing = True
-                s.ar_at = s.clock
-                return AR_ARM
+                return self._time_ar(s)
             cheapest = min(seconds[a] for a in drafting)
             trees = [a for a in drafting if a >= 0 and seconds[a] <= COLD_COST * cheapest]
             if trees:
@@ -295,9 +293,7 @@ class Selector:
             # the tree of 8 was played at 0.75x their rate. Such a round costs a fraction of
             # an AR step, TIMED of them in all (their bias carries to other batch sizes), so
             # the credit does not wait for them: paid from it, they came 7 rounds apart.
-            self.timing = True
-            s.ar_at = s.clock
-            return AR_ARM
+            return self._time_ar(s)
         # Candidates: the next two drafting arms by hope, the chain (only its own rounds measure
         # it: at T = 0, c = 1 the trees of 15 and 16 held both places, the chain was explored
         # in 11 rounds of 330 and kept an estimate 6% low, where it won), and the biggest tree
@@ -362,10 +358,7 @@ class Selector:
                 # ratio to the model (1.1x where they ran in the same seconds), and every round
                 # after took AR steps. Until THIN of its rounds are timed here it drafts them all.
                 self.retime = self.probing and timed.get(cand, TIME_WINDOW) < THIN
-                if cand == AR_ARM:
-                    self.timing = True
-                    s.ar_at = s.clock
-                return cand
+                return self._time_ar(s) if cand == AR_ARM else cand
             if best == AR_ARM and share > 0:
                 # Nothing changes until the credit covers that probe: hold AR steps till then.
                 per_round = share * seconds[AR_ARM]
@@ -373,6 +366,12 @@ class Selector:
         if best != AR_ARM and s.rounds >= KEEP_AFTER:
             self._keep(s, rows, best, known, tied, share * seconds[best])
         return best
+
+    def _time_ar(self, s: ClassStats) -> int:
+        """AR steps played to time them (the policy marks the round timed)."""
+        self.timing = True
+        s.ar_at = s.clock
+        return AR_ARM
 
     def _keep(self, s: ClassStats, rows: int, best: int, known: dict[int, float], tied: list[int],
               per_round: float) -> None:
