@@ -5,8 +5,10 @@ No timing assertions: only shapes, counts and arithmetic that hold on any machin
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
+import time
 
 import pytest
 import torch
@@ -304,3 +306,30 @@ def test_policy_grid_keeps_concurrency_and_equal_tokens(pair, tmp_path, capsys):
     # c = 3 has fewer prompts than a stream (CHUNK x 3): they are reused, so the batch refills.
     assert all(c["tokens"] == (4 if c["concurrency"] == 1 else CHUNK * 3) * 6 for c in data["cells"])
     assert "| T | c |" in capsys.readouterr().out
+
+
+def test_interleaved_turns_last_a_slice_and_a_few_steps():
+    """run_interleaved: each turn runs at least turn_steps steps and until slice_seconds have
+    passed, every stream runs to its end, and the turns alternate between the streams."""
+    from flashtree.bench.policy_grid import run_interleaved
+
+    log: list[str] = []
+
+    class Fake:
+        def __init__(self, name: str, steps: int, seconds: float) -> None:
+            self.name, self.left, self.seconds = name, steps, seconds
+
+        def step(self) -> bool:
+            log.append(self.name)
+            time.sleep(self.seconds)
+            self.left -= 1
+            return self.left > 0
+
+    run_interleaved([Fake("a", 30, 0.001), Fake("b", 30, 0.004)], slice_seconds=0.01, turn_steps=4)
+    assert log.count("a") == 30 and log.count("b") == 30
+    # Runs of one stream's steps (two of its turns back to back, across a new pass's order, make one).
+    runs = [(k, len(list(g))) for k, g in itertools.groupby(log)]
+    for name in "ab":
+        mine = [n for k, n in runs if k == name]
+        assert len(mine) >= 3  # the slice ends turns: no stream runs in one go
+        assert all(n >= 4 for n in mine[:-1])  # only a stream's last turn may be shorter

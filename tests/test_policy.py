@@ -668,6 +668,19 @@ def test_scouts_are_fewer_the_further_ar_steps_lead(monkeypatch):
         assert seated[every - 1] and not any(seated[: every - 1]), lead
 
 
+def test_a_seat_prices_ar_steps_without_the_drafter_context_they_would_park(monkeypatch):
+    """A request seated plain parks no drafter context, so Policy.admit weighs AR steps at
+    their bare price; the rounds' AR price (ar_price) carries the parking, for speculative rows."""
+    policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
+    policy.held_cost = 1.0  # seconds per parked token: far dearer than any round
+    seen = []
+    monkeypatch.setattr(policy.selector, "lead", lambda cls, rows, seconds, ar: seen.append(ar) or 0.5)
+    policy.admit(SamplingParams(temperature=1.0), 4)
+    modelled, _ = policy._arm_table(4)
+    assert seen == [pytest.approx(policy.times.seconds(4, modelled)[AR_ARM])]
+    assert seen[0] < policy.ar_price(policy.times.seconds(4, modelled), 4)[AR_ARM] - 3.0
+
+
 def test_plain_and_speculative_requests_share_prefixes_only_where_the_drafter_has_them(tmp_path, monkeypatch):
     """A plain request seated on a speculative one's prompt reuses its target rows and takes no
     drafter rows; a speculative request on a plain one's prompt reuses nothing (the drafter never

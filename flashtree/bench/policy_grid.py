@@ -10,7 +10,7 @@ fresh seeds where there are fewer than CHUNK x c of them, so that even at the hi
 concurrency most rounds run at a steady load. (Waves of c requests submitted together, as this
 grid ran before, let the batch drain within every wave: speculation spreads the rows' finishing
 times, and the tail rounds of a few rows weighed on every speculating cell.) Every cell runs a
-stream at the same time, in turns of about 250 ms of its own steps, the cells taken in a new
+stream at the same time, in turns of about 50 ms (and 4 steps at least) of its own steps, the cells taken in a new
 random order each pass (run_interleaved), so drift and other processes on the machine fall on
 all cells alike: a grid that ran each cell's stream back to back measured two engines doing
 the same work 5-20% apart, and in a fixed order each cell's turns started on the caches of the
@@ -50,7 +50,8 @@ CONCURRENCY = [1, 4, 16]
 BUDGETS = [4, 8, 16, 32, 64]
 GOAL = 0.97  # auto's throughput against the best cell and against ar
 CHUNK = 4  # prompts per stream, in multiples of the concurrency: cells take turns stream by stream
-SLICE = 0.25  # seconds of its own steps a cell runs before the next one steps (run_interleaved)
+SLICE = 0.05  # seconds of its own steps a cell runs before the next one steps (run_interleaved) ...
+TURN_STEPS = 4  # ... and steps, at least
 # A second `ar` cell, not a candidate for the best: identical engines stepped in the same turns
 # came out up to 5% apart on this box (six dflash engines, 3 passes, T = 0, c = 1: 0.951-1.000x
 # the fastest; a different turn order reshuffled which), so the table shows that spread beside
@@ -155,16 +156,20 @@ class Stream:
         return False
 
 
-def run_interleaved(streams: list[Stream], slice_seconds: float = SLICE, seed: int = 0) -> None:
-    """Run the streams in turn, each for a slice of about `slice_seconds` of its own steps, so
-    that whatever else slows the machine falls on every cell alike within a fraction of a second
-    (not on whichever cell ran during that stretch). Each pass over the streams takes them in a
-    new random order (seeded): a slice's first steps run on the caches the slice before it left,
-    and in a fixed order every cell always followed the same one. At T = 1, c = 4, with `ar`
-    after auto and auto after dflash, auto ran at 0.90x `ar`; with auto after `ar` and `ar` after
-    dflash, at 1.09x; both take AR steps only. (One step each in turn had the same bias, larger.)
-    A turn spans several rounds: at 50 ms, a tree round at c = 16 (about 75 ms) was the first of
-    its turn every time, on caches another cell had left."""
+def run_interleaved(streams: list[Stream], slice_seconds: float = SLICE, seed: int = 0,
+                    turn_steps: int = TURN_STEPS) -> None:
+    """Run the streams in turn, each for a slice of about `slice_seconds` of its own steps and
+    at least `turn_steps` steps, so that whatever else slows the machine falls on every cell
+    alike within a fraction of a second (not on whichever cell ran during that stretch). Each
+    pass over the streams takes them in a new random order (seeded): a slice's first steps run
+    on the caches the slice before it left, and in a fixed order every cell always followed the
+    same one. At T = 1, c = 4, with `ar` after auto and auto after dflash, auto ran at 0.90x
+    `ar`; with auto after `ar` and `ar` after dflash, at 1.09x; both take AR steps only. (One
+    step each in turn had the same bias, larger.) A turn spans several rounds: at 50 ms alone, a
+    tree round at c = 16 (about 75 ms) was the first of its turn every time, on caches another
+    cell had left. Short turns follow the machine's speed more closely: five identical `ar`
+    engines at T = 0.7, c = 1 (4-request streams) came out 4.2% (rms) apart per stream in turns
+    of 250 ms, 2.4% in turns of 50 ms."""
     rng = random.Random(seed)
     active = list(streams)
     while active:
@@ -172,8 +177,10 @@ def run_interleaved(streams: list[Stream], slice_seconds: float = SLICE, seed: i
         rng.shuffle(active)
         for s in active:
             t0 = time.perf_counter()
+            steps = 0
             while s.step():
-                if time.perf_counter() - t0 >= slice_seconds:
+                steps += 1
+                if steps >= turn_steps and time.perf_counter() - t0 >= slice_seconds:
                     still.append(s)
                     break
         active = still

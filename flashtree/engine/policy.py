@@ -402,7 +402,11 @@ class Policy:
         cls = sampling_class(params)
         rows = max(1, min(self.slots, rows))
         modelled, _ = self._arm_table(rows)
-        seconds = self.ar_price(self.times.seconds(rows, modelled), rows)
+        # AR steps at their bare price: a request seated plain parks no drafter context (its
+        # AR steps cost what an `ar` engine's do), where the rounds' AR price (ar_price) is for
+        # speculative rows, which park it. Priced with it at T = 0.7, c = 1 (0.1-0.3 ms a token
+        # where a round takes 4 ms), AR steps looked up to 7% dearer than a plain seat's.
+        seconds = self.times.seconds(rows, modelled)
         lead = self.selector.lead(cls, rows, seconds, seconds[AR_ARM])
         if lead < SETTLED_LEAD:
             return True

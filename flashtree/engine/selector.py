@@ -112,6 +112,7 @@ class ClassStats:
     long_level: float = 0.0  # the base's long-run average (lead)
     gap: int = 1  # rounds since the last drafting round, this one included
     rounds: int = 0  # drafting rounds observed
+    rows: float = 0.0  # ... and their rows (lead's hope)
     credit: float = 0.0  # seconds of exploration the class may spend
     changed: bool = True
     estimate: tuple = ()  # accepted()'s, until the next observation
@@ -416,13 +417,20 @@ class Selector:
         # where AR steps lead by about 15%, no request was seated plain and auto ran at
         # 0.90-0.93x `ar` (0.98x by rows, 176 of its 192 requests seated while the class was
         # settled on AR steps).
+        # The rows are the class's, every drafting round's, not each arm's: the level, which
+        # scales every arm alike, is what few rounds leave uncertain, and an arm's own rows can
+        # stay few for good. By the arm's, at T = 0.7, c = 1 the chain (never played, its rows
+        # 0: a hope of 2) and the trees of 6 and up (measured in the three opening rounds only:
+        # 1.4-1.5) kept the lead at 0.7-0.8 where AR steps ran 1.5x the best tree: every request
+        # was seated speculative, and auto ran at 0.94-0.97x `ar`.
         if s is None or s.rounds < COLD_ROUNDS:
             return 0.0
         scale = (s.long_level + SHAPE_PRIOR) / (s.level + SHAPE_PRIOR)
         rates = self.rates(cls, rows, seconds, ar_seconds, scale=scale)
-        drafts = [r * (1.0 + 1.0 / math.sqrt(1.0 + s.weight[self._slot(a)]))
-                  for a, r in self._known(s, rates).items() if a != AR_ARM]
-        return rates[AR_ARM] / max(drafts) if drafts else 0.0
+        drafts = [r for a, r in self._known(s, rates).items() if a != AR_ARM]
+        if not drafts:
+            return 0.0
+        return rates[AR_ARM] / (max(drafts) * (1.0 + 1.0 / math.sqrt(1.0 + s.rows)))
 
     def _known(self, s: ClassStats, rates: dict[int, float]) -> dict[int, float]:
         """The rates whose estimates rest on KNOWN rounds or more (AR's always). The chain's
@@ -493,6 +501,7 @@ class Selector:
         G = len(self.grid)
         s.clock += 1
         s.rounds += 1
+        s.rows += rows
         s.changed = True
         s.hold = (0, 0, 0.0)
         run = run.tolist() if isinstance(run, np.ndarray) else run
