@@ -192,12 +192,12 @@ def run_stream(engine: LLMEngine, prompts: list[list[int]], params: list[Samplin
     run_interleaved([Stream(engine, prompts, params, cell, concurrency, keep)])
 
 
-def run_policy_grid(spec: PolicyGridSpec, progress: bool = True) -> dict:
+def grid_prompts(spec: PolicyGridSpec) -> tuple[LLMEngine, list[list[int]], int]:
+    """The engine whose weights every cell shares, the prompts' token ids (the suites
+    alternating, each cut to leave room for max_tokens), and the model length a cell needs."""
     spec.validate()
     if spec.target is None and spec.drafter is None and not DEMO_DRAFTER.is_dir():
         raise FlashtreeError(f"the demo drafter is not there yet ({DEMO_DRAFTER}); pass --drafter")
-    started = time.perf_counter()
-    load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     suites = load_prompts(_suite_spec(spec))
     base = LLMEngine(_config(spec, "ddtree-64", 1, None))
     limit = base.config.max_model_len
@@ -205,10 +205,21 @@ def run_policy_grid(spec: PolicyGridSpec, progress: bool = True) -> dict:
     if len(pool) < spec.num_prompts:
         pool = [p for ps in suites.values() for p in ps]
     ids = [encode_prompt(base, p)[-(limit - spec.max_tokens - 1):] for p in pool[: spec.num_prompts]]
-    need = min(limit, max(map(len, ids)) + spec.max_tokens + 1)
+    return base, ids, min(limit, max(map(len, ids)) + spec.max_tokens + 1)
+
+
+def cell_engine(spec: PolicyGridSpec, label: str, concurrency: int, need: int, base: LLMEngine) -> LLMEngine:
+    """A fresh engine for one cell (a label, with an optional '#n' suffix for copies)."""
+    return LLMEngine(_config(spec, label.split("#")[0], concurrency, need), share_weights=base)
+
+
+def run_policy_grid(spec: PolicyGridSpec, progress: bool = True) -> dict:
+    started = time.perf_counter()
+    load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    base, ids, need = grid_prompts(spec)
     labels = spec.labels()
     # Largest batch first: auto engines then measure their costs once and the smaller ones reuse them.
-    engines = {(c, label): LLMEngine(_config(spec, label, c, need), share_weights=base)
+    engines = {(c, label): cell_engine(spec, label, c, need, base)
                for c in sorted(spec.concurrency, reverse=True) for label in labels}
     cells: dict[tuple[float, int, str], GridCell] = {}
     total = len(spec.temperatures) * sum(len(labels) * (1 + spec.passes * -(-requests(len(ids), c) // (CHUNK * c)))
@@ -217,28 +228,32 @@ def run_policy_grid(spec: PolicyGridSpec, progress: bool = True) -> dict:
                dynamic_ncols=True)
     for t in spec.temperatures:
         for c in spec.concurrency:
-            # Warmup: one unrecorded stream per cell, stepped in turn like the measured ones.
-            warm = [SamplingParams(temperature=t, max_tokens=spec.max_tokens, seed=spec.seed + 10_000 + i,
-                                   ignore_eos=True) for i in range(CHUNK * c)]
-            bar.set_postfix_str(f"T={t:g} c={c} warmup", refresh=False)
-            run_interleaved([Stream(engines[c, label], [ids[i % len(ids)] for i in range(CHUNK * c)], warm,
-                                    GridCell(t, c, label), c, keep=False) for label in labels])
-            bar.update(len(labels))
-            n = requests(len(ids), c)
-            chunks = list(range(0, n, CHUNK * c))
-            for w, start in enumerate(chunks * spec.passes):
-                stop = min(n, start + CHUNK * c)
-                chunk = [ids[i % len(ids)] for i in range(start, stop)]
-                params = [SamplingParams(temperature=t, max_tokens=spec.max_tokens, seed=spec.seed + i,
-                                         ignore_eos=True) for i in range(start, stop)]
-                bar.set_postfix_str(f"T={t:g} c={c} stream {w + 1}", refresh=False)
-                run_interleaved([Stream(engines[c, label], chunk, params,
-                                        cells.setdefault((t, c, label), GridCell(t, c, label)), c, keep=w < len(chunks))
-                                 for label in labels], seed=spec.seed + 1 + w)
+            for w, prompts, params, keep in cell_streams(spec, ids, t, c):
+                bar.set_postfix_str(f"T={t:g} c={c} " + ("warmup" if w < 0 else f"stream {w + 1}"), refresh=False)
+                run_interleaved([Stream(engines[c, label], prompts, params,
+                                        GridCell(t, c, label) if w < 0 else
+                                        cells.setdefault((t, c, label), GridCell(t, c, label)), c, keep=keep)
+                                 for label in labels], seed=0 if w < 0 else spec.seed + 1 + w)
                 bar.update(len(labels))
     bar.close()
     return {"spec": vars(spec), "cells": cells, "seconds": time.perf_counter() - started, "load_average_start": load,
             "device": str(base.device), "dtype": str(base.dtype).removeprefix("torch.")}
+
+
+def cell_streams(spec: PolicyGridSpec, ids: list[list[int]], t: float, c: int):
+    """The streams every cell of (t, c) runs, in order, as (index, prompts, params, keep): first
+    one unrecorded warmup (index -1), then the measured ones, `passes` times over (outputs kept
+    from the first pass only)."""
+    warm = [SamplingParams(temperature=t, max_tokens=spec.max_tokens, seed=spec.seed + 10_000 + i, ignore_eos=True)
+            for i in range(CHUNK * c)]
+    yield -1, [ids[i % len(ids)] for i in range(CHUNK * c)], warm, False
+    n = requests(len(ids), c)
+    chunks = list(range(0, n, CHUNK * c))
+    for w, start in enumerate(chunks * spec.passes):
+        stop = min(n, start + CHUNK * c)
+        params = [SamplingParams(temperature=t, max_tokens=spec.max_tokens, seed=spec.seed + i, ignore_eos=True)
+                  for i in range(start, stop)]
+        yield w, [ids[i % len(ids)] for i in range(start, stop)], params, w < len(chunks)
 
 
 def requests(prompts: int, concurrency: int) -> int:
