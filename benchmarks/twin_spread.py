@@ -26,7 +26,7 @@ def spread(spec: PolicyGridSpec, engines: dict, ids: list[list[int]], t: float, 
     labels = list(engines)
     cells = {label: GridCell(t, c, label) for label in labels}
     shortfall = []
-    for w, prompts, params, keep in cell_streams(spec, ids, t, c):
+    for w, prompts, params, _ in cell_streams(spec, ids, t, c):
         seen = {label: (cells[label].tokens, cells[label].seconds) for label in labels}
         run_interleaved([Stream(engines[label], prompts, params, GridCell(t, c, label) if w < 0 else cells[label], c,
                                 keep=False) for label in labels],

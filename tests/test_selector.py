@@ -273,7 +273,8 @@ def test_a_seat_is_not_settled_on_ar_steps_from_a_few_rounds():
     """Policy.admit seats a request plain for life when AR steps lead (Selector.lead). After the
     three opening rounds AR steps predicting 1.2x the best drafting arm do not settle it (the
     estimates are hopeful while they rest on few rows); after a hundred rounds, AR leading by
-    far does, the hope down to 7% (by the rows: by the rounds it would still be 14%)."""
+    far does, the hope down to 5% (the class's 412 drafted rows: by the rounds it would still be
+    14%)."""
     seconds = {a: 4 * s for a, s in _seconds(0.05).items()}
     seconds[AR_ARM] = 2.6
     sel = Selector(GRID, 15)
@@ -291,7 +292,7 @@ def test_a_seat_is_not_settled_on_ar_steps_from_a_few_rounds():
     scale = (st.long_level + SHAPE_PRIOR) / (st.level + SHAPE_PRIOR)  # the long-run level, as lead
     rates = sel.rates(0, 4, seconds, seconds[AR_ARM], scale=scale)
     bare = rates[AR_ARM] / max(r for a, r in rates.items() if a != AR_ARM)
-    # a hope of 1 / sqrt(1 + rows), 7%, where by the rounds (53 and 50) it would be 14%
+    # a hope of 1 / sqrt(1 + rows), 5%, where by the rounds (103) it would be 10%
     assert bare / 1.08 < sel.lead(0, 4, seconds, seconds[AR_ARM]) < bare
 
 

@@ -3,30 +3,30 @@ under temperature x concurrency, all in one run, interleaved.
 
 For each (temperature, concurrency c) every cell (ar, dflash, ddtree at each fixed budget, auto)
 is its own LLMEngine with max_batch = c, sharing the loaded weights. Concurrency means requests
-in flight, as in a serving benchmark: the prompts are cut into streams of CHUNK x c, and a stream
-keeps c requests running (one that finishes makes room for the next prompt), so the batch
+in flight, as in a serving benchmark: the prompts are cut into streams of CHUNK x c, and a
+stream keeps c requests running (one that finishes makes room for the next prompt), so the batch
 shrinks only at a stream's end. A cell runs at least one full stream, reusing the prompts with
 fresh seeds where there are fewer than CHUNK x c of them, so that even at the highest
 concurrency most rounds run at a steady load. (Waves of c requests submitted together, as this
 grid ran before, let the batch drain within every wave: speculation spreads the rows' finishing
 times, and the tail rounds of a few rows weighed on every speculating cell.) Every cell runs a
-stream at the same time, in turns of about 50 ms (and 4 steps at least) of its own steps, the cells taken in a new
-random order each pass (run_interleaved), so drift and other processes on the machine fall on
-all cells alike: a grid that ran each cell's stream back to back measured two engines doing
-the same work 5-20% apart, and in a fixed order each cell's turns started on the caches of the
-same neighbour (auto, taking AR steps only, ran at 0.90x or 1.09x `ar` by its place). A cell's
-throughput is its output tokens over the wall time of its own steps. (Between two rounds of an
-engine the others step, so auto's round timings leave out its own work between rounds, which
-they count when an engine runs alone; the cell's time has it.) Every cell first runs one
-unrecorded stream per temperature, like the measured ones: the grid measures steady serving.
-Auto learns there what a server learns from its first requests (acceptance per sampling class,
-each arm's round time at each batch size); with warmups of c short requests and a fresh cost
-cache, its first measured pass at T = 0 ran up to 8% below its second. The engines run
-without the prefix cache: the prompts repeat across streams, and how often a slot still held
-one would depend on each method's finishing order. Requests are seeded and run to max_tokens,
-so with seed-exact sampling every cell produces the same tokens: the table checks that too.
-A second `ar` cell (ar-twin, never the best) shows how far apart identical engines come out in
-the same run, the scale against which auto's ratios are read.
+stream at the same time, in turns of about 50 ms (and 4 steps at least) of its own steps, the
+cells taken in a new random order each pass (run_interleaved), so drift and other processes on
+the machine fall on all cells alike: a grid that ran each cell's stream back to back measured
+two engines doing the same work 5-20% apart, and in a fixed order each cell's turns started on
+the caches of the same neighbour (auto, taking AR steps only, ran at 0.90x or 1.09x `ar` by its
+place). A cell's throughput is its output tokens over the wall time of its own steps. (Between
+two rounds of an engine the others step, so auto's round timings leave out its own work between
+rounds, which they count when an engine runs alone; the cell's time has it.) Every cell first
+runs one unrecorded stream per temperature, like the measured ones: the grid measures steady
+serving. Auto learns there what a server learns from its first requests (acceptance per sampling
+class, each arm's round time at each batch size); with warmups of c short requests and a fresh
+cost cache, its first measured pass at T = 0 ran up to 8% below its second. The engines run
+without the prefix cache: the prompts repeat across streams, and how often a slot still held one
+would depend on each method's finishing order. Requests are seeded and run to max_tokens, so
+with seed-exact sampling every cell produces the same tokens: the table checks that too. A
+second `ar` cell (ar-twin, never the best) shows how far apart identical engines come out in the
+same run, the scale against which auto's ratios are read.
 """
 
 from __future__ import annotations
