@@ -421,7 +421,7 @@ class Selector:
         # scales every arm alike, is what few rounds leave uncertain, and an arm's own rows can
         # stay few for good. By the arm's, at T = 0.7, c = 1 the chain (never played, its rows
         # 0: a hope of 2) and the trees of 6 and up (measured in the three opening rounds only:
-        # 1.4-1.5) kept the lead at 0.7-0.8 where AR steps ran 1.5x the best tree: every request
+        # 1.4-1.5) kept the lead at 0.77-0.82 where AR steps ran 1.5x the best tree: every request
         # was seated speculative, and auto ran at 0.94-0.97x `ar`.
         if s is None or s.rounds < COLD_ROUNDS:
             return 0.0
