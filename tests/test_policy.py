@@ -178,13 +178,13 @@ def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float, c
     extras[:, 2 * cols + D : 2 * cols + 3 * D : 2] = raw  # predicted, spine kind
     extras[:, 2 * cols + 3 * D :: 2] = raw * accept  # observed, spine kind
     measured = None
-    if plan.measure:  # the selector's: accepted tokens per tree size, the spine's run (runner: by_size)
+    if plan.measure:  # the selector's: accepted tokens per tree size, the spine's run, not cut short (by_size)
         m = plan.measure
         if geometric:  # depth d accepted with probability accept^d: bigger trees add less
             curve = np.cumsum(accept ** np.arange(1, D + 1))
-            row = (curve[np.minimum(policy.grid[:m], D) - 1].tolist(), float(curve[-1]))
+            row = (curve[np.minimum(policy.grid[:m], D) - 1].tolist(), float(curve[-1]), False)
         else:
-            row = ((accept * np.minimum(policy.grid[:m], D)).tolist(), accept * D)
+            row = ((accept * np.minimum(policy.grid[:m], D)).tolist(), accept * D, False)
         measured = [row] * k
     if plan.arm is not None and not plan.learn:
         extras = None
@@ -356,10 +356,11 @@ def test_the_selector_counts_the_tokens_requests_keep_not_the_walk():
 
 def test_ar_steps_priced_by_a_few_slow_rounds_are_timed_again_while_drafting_leads():
     """AR steps are timed as drafting leads (TIMED of them), and those happen to run 1.5x the
-    cost model. Then acceptance falls (0.8 to 0.45 a node) until AR steps win by a fifth at their
-    true price, while at the stale one drafting still led. AR steps near the best arm are
-    re-timed now and then (a runner-up whose price may be stale), so the lead flips and AR steps
-    are played: a price set by a few slow early rounds does not stand for good."""
+    cost model. Then acceptance falls (0.8 to 0.45 a node) until AR steps and the best drafting
+    arm are about even at AR's true price, while at the stale one drafting leads by half. AR
+    steps near the best arm are re-timed now and then (a runner-up whose price may be stale), so
+    AR steps are played in most rounds: a price set by a few slow early rounds does not stand
+    for good. (Never re-timed, the chain took 94% of the last 200 rounds.)"""
     policy = Policy(_cost(1e-4), 16, 16, 64, 4096)
     reqs = _requests(16)
     timed, ar_rounds = policy.timed, []
@@ -376,7 +377,7 @@ def test_ar_steps_priced_by_a_few_slow_rounds_are_timed_again_while_drafting_lea
         plans.append(policy.plan(reqs))
         _feed(policy, plans[-1], reqs, accept=0.8 if i < 100 else 0.45)
     assert sum(p.drafting == 16 for p in plans[:100]) > 90 and len(ar_rounds) >= TIMED
-    assert sum(p.drafting for p in plans[-200:]) < 0.1 * 200 * 16
+    assert sum(p.drafting for p in plans[-200:]) < 0.25 * 200 * 16
     modelled = policy._arm_table(16)[0]
     assert policy.times.seconds(16, modelled)[AR_ARM] == pytest.approx(modelled[AR_ARM], rel=0.05)
 

@@ -64,11 +64,13 @@ def test_one_tree_measures_every_smaller_tree_and_the_chain(markov):
     whole = (run < length) | (length == D)  # the run did not reach the end of a short spine
     assert torch.equal(run[whole], chained[whole]) and bool((run <= chained).all())
     assert whole.any()
-    # What the engine reads instead: the path's codes, decoded on the host, give the same.
+    # What the engine reads instead: the path's codes, decoded on the host, give the same, and
+    # flag the runs that reached the end of the tree's spine (the chain's walk went on unseen).
     codes = path_codes(big, path).tolist()
     for r in range(R):
-        by, spine = by_size(codes[r], list(range(1, B + 1)))
+        by, spine, open_ = by_size(codes[r], list(range(1, B + 1)))
         assert by == measured[r].long().tolist() and spine == int(run[r]), r
+        assert open_ == bool(run[r] == length[r]), r
 
 
 def _play(sel: Selector, rounds: int, acc_tree, acc_chain: float, seconds: dict, rows: int = 1) -> list[int]:
@@ -84,7 +86,9 @@ def _play(sel: Selector, rounds: int, acc_tree, acc_chain: float, seconds: dict,
             sel.observe(0, rows, None, np.full(rows, acc_chain))
         elif arm >= 0:
             tree = np.tile(np.asarray(acc_tree[: arm + 1], dtype=float), (rows, 1))
-            sel.observe(0, rows, tree, np.full(rows, min(acc_chain, acc_tree[arm])))
+            spine = min(int(sel.grid[arm]), sel.depth)  # the tree's spine: as deep as it has nodes
+            chain = [(min(acc_chain, spine), acc_chain < spine or spine == sel.depth)] * rows
+            sel.observe(0, rows, tree, np.full(rows, min(acc_chain, acc_tree[arm])), chain=chain)
         else:
             sel.idle(0)
     return arms
@@ -218,8 +222,8 @@ def test_a_steady_class_is_predicted_what_its_arms_accepted():
     side of the increments, the tree of 8 here came out 4.2 for 4.4 accepted.)"""
     sel = Selector(GRID, 15)
     acc = [0.95, 1.7, 3.0, 4.4, 6.0, 6.0, 6.1]  # the tree of 15, the chain's size, as the chain
-    for _ in range(60):
-        sel.observe(0, 4, np.tile(np.asarray(acc), (4, 1)), np.full(4, 3.0))
+    for _ in range(60):  # the trees' spines run as far as the chain (and their base is 3)
+        sel.observe(0, 4, np.tile(np.asarray(acc), (4, 1)), np.full(4, 6.0))
         sel.observe(0, 4, None, np.full(4, 6.0))
     tree, chain = sel.accepted(0)
     assert tree == pytest.approx(acc) and chain == pytest.approx(6.0)
@@ -396,7 +400,7 @@ def test_a_clear_lead_is_decided_further_ahead_than_a_near_tie():
         if decided == CHAIN_ARM:
             sel.observe(0, 1, None, np.full(1, 6.0))
         else:
-            sel.observe(0, 1, np.full((1, decided + 1), 3.0), np.full(1, 3.0))
+            sel.observe(0, 1, np.full((1, decided + 1), 3.0), np.full(1, 6.0))
     assert len(computed) < 40
 
     rate15 = (1 + 5.0) / seconds[4]

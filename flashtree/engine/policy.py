@@ -647,7 +647,7 @@ class Policy:
     # ---- learning ---------------------------------------------------------------------------
 
     def _observe_arm(self, plan: RoundPlan, accepted: list[int], room: list[int] | None,
-                     measured: list[tuple[list[float], float]] | None) -> None:
+                     measured: list[tuple[list[int], int, bool]] | None) -> None:
         """The selector's share of a round it planned. measured: a tree round's, per drafting row,
         what every grid size up to its own accepted and the run along the spine (by_size). Each
         arm is credited with the drafted tokens the
@@ -657,20 +657,23 @@ class Policy:
         the tree of 8's, so by walks the chain led by 2.4% a round where in tokens kept the tree
         of 8 did by 3.5%."""
         rows = plan.draft_rows if len(accepted) > plan.drafting else range(len(accepted))
-        cap = [room[i] - 1 for i in rows] if room is not None else [self.depth] * len(rows)
+        cap = [min(room[i] - 1, self.depth) for i in rows] if room is not None else [self.depth] * len(rows)
         if plan.arm == CHAIN_ARM:
             walked = [accepted[i] for i in rows]
             self.selector.observe(plan.cls, len(walked), None, walked, [min(a, c) for a, c in zip(walked, cap)])
             return
-        tree = [[min(x, c) for x in by] for (by, _), c in zip(measured, cap)]
-        self.selector.observe(plan.cls, len(tree), tree, [run for _, run in measured])
+        tree = [[min(x, c) for x in by] for (by, _, _), c in zip(measured, cap)]
+        # The chain's kept tokens: the run, exact unless it reached the end of the tree's spine
+        # short of the row's cap (then at least the run).
+        chain = [(min(run, c), not open or run >= c) for (_, run, open), c in zip(measured, cap)]
+        self.selector.observe(plan.cls, len(tree), tree, [run for _, run, _ in measured], chain=chain)
 
     def curve_columns(self, plan: RoundPlan) -> int:
         """Tree-curve columns the round reads back: the grid sizes up to the tree's budget."""
         return int(np.searchsorted(self.grid, plan.budget, side="right")) if plan.budget else 0
 
     def observe(self, plan: RoundPlan, slots: list[int], extras: np.ndarray | None, accepted: list[int],
-                room: list[int] | None = None, measured: list[tuple[list[float], float]] | None = None) -> None:
+                room: list[int] | None = None, measured: list[tuple[list[int], int, bool]] | None = None) -> None:
         """Fold in a round's outcome. extras [drafting, 2 * cols + 5 * depth], per drafting row (see
         runner.round_extras): spine nodes and branch reach of the top-b tree at the grid columns,
         the spine reach per depth, then per depth and kind the drafter's predicted accepted nodes

@@ -678,12 +678,17 @@ _BUILD_PRUNES = "prune" in inspect.signature(build_tree).parameters
 
 
 def path_codes(spec: TreeSpec, path: Tensor) -> Tensor:
-    """[R, A] int64: per accepted node (path as from accept_walk), 2 x its rank in the tree's
-    order + 1 where it is its parent's best child; -1 past the path. Read with the round, they
-    give on the host what every smaller tree and the chain of best children would have accepted
-    (selector.by_size): two gathers, where the same on the device took a sort and a dozen
-    scatters, about 0.15 ms of a 16 ms round on the demo pair at c = 4."""
-    code = (spec.ranks * 2 + spec.first).gather(1, path.clamp(min=0))
+    """[R, A] int64: per accepted node (path as from accept_walk), 4 x its rank in the tree's
+    order, + 2 where it has a child in the tree, + 1 where it is its parent's best child; -1 past
+    the path. Read with the round, they give on the host what every smaller tree and the chain
+    of best children would have accepted, or that the chain's walk ran past the tree's spine
+    (selector.by_size): a scatter and two gathers, where the same on the device took a sort and
+    a dozen scatters, about 0.15 ms of a 16 ms round on the demo pair at c = 4."""
+    R, N = spec.tokens.shape
+    real = (spec.tokens >= 0) & (torch.arange(N, device=path.device) > 0)
+    children = torch.zeros(R, N, dtype=torch.long, device=path.device).scatter_add_(
+        1, spec.parents.expand(R, N).clamp(min=0), real.long())
+    code = (spec.ranks * 4 + (children > 0) * 2 + spec.first).gather(1, path.clamp(min=0))
     return torch.where(path >= 0, code, -1)
 
 

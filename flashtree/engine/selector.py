@@ -61,7 +61,6 @@ LONG_RATE = 0.002  # ... and in the long-run level: what a request seated now ma
 BASE_DEPTH = 3  # the level counts the accepted path's first BASE_DEPTH spine nodes
 SHAPE_PRIOR = 0.5  # P: base tokens added to both sides of a shape, so it stays finite where the base is ~0
 KNOWN = 3  # rounds of evidence before an arm's estimate is trusted
-CHAIN_PRIOR = 16  # rows' worth of weight the tree of the chain's size has in the chain's estimate
 CHAIN_THIN = 64  # a hopeful chain measured in fewer rows than this is explored first
 COLD_ROUNDS = 3  # drafting rounds a new class opens with (the exploration tree)
 COLD_COST = 2.0  # the opening tree may cost this many times the cheapest drafting round
@@ -122,6 +121,13 @@ class ClassStats:
     probes: int = 0  # probes from AR steps since a drafting arm was last the best
     ar_at: float = -math.inf  # the class's round when AR steps were last played to time them
     played_at: list[float] = field(default_factory=list)
+    # The chain's kept tokens, from every drafting round (see chain_tokens): per depth d, slow
+    # sums of the rows that reached d and of those that stopped there; and of the rows and their
+    # base, for the chain's shape.
+    reach: list[float] = field(default_factory=list)
+    stops: list[float] = field(default_factory=list)
+    chain_rows: float = 0.0
+    chain_base: float = 0.0
 
 
 class Selector:
@@ -136,16 +142,15 @@ class Selector:
         self.probing = False
         self.timing = False
         self.retime = False
-        # The tree column of the chain's size (or the largest): the chain's estimate leans on it.
-        self.chain_twin = min(int(np.searchsorted(grid, depth)), len(grid) - 1)
         self.caps = [min(float(b), float(depth)) for b in grid]  # a tree of b nodes accepts b tokens at most
 
     def _class(self, cls: int) -> ClassStats:
         if cls not in self.stats:
             n = len(self.grid) + 1
             g = len(self.grid)
-            self.stats[cls] = ClassStats([0.0] * n, [0.0] * n, [0.0] * n, [-math.inf] * n, [0.0] * n,
-                                         [1.0] * g, [1.0] * g, [1.0] * g, played_at=[-math.inf] * n)
+            self.stats[cls] = ClassStats([0.0] * g, [0.0] * g, [0.0] * n, [-math.inf] * n, [0.0] * n,
+                                         [1.0] * g, [1.0] * g, [1.0] * g, played_at=[-math.inf] * n,
+                                         reach=[0.0] * self.depth, stops=[0.0] * self.depth)
         return self.stats[cls]
 
     # ---- estimates ---------------------------------------------------------------------------
@@ -153,23 +158,22 @@ class Selector:
     def accepted(self, cls: int) -> tuple[list[float], float]:
         """Expected drafted tokens accepted per row: [G] per tree column, and the chain's, as
         shape x (level + P). Tree columns never measured extend the largest measured one by its last
-        increment, in shrinking steps; a bigger tree never accepts less. The chain's estimate
-        leans on the tree of its size until its own rounds add up (CHAIN_PRIOR). (Plain floats:
-        G is about a dozen, and this runs in every drafting round.)"""
+        increment, in shrinking steps; a bigger tree never accepts less. The chain's shape is its
+        tokens from every drafting round (chain_tokens) over their base. (Plain floats: G is
+        about a dozen, and this runs in every drafting round.)"""
         s = self._class(cls)
         G = len(self.grid)
         # Tree column j holds its increment over column j - 1 (see observe): the shapes are sums.
         # P on one side only (it was, for the increments) took a steady level's estimates down
         # by base / (base + P): on the demo pair at T = 0 the tree of 8 was predicted 3.9 tokens
         # where the fixed ddtree-8 accepted 4.4, and the chain, 3% behind it, was played.
-        shape = [n / (d + SHAPE_PRIOR) for n, d in zip(s.num, s.den)]
+        shape = list(itertools.accumulate(n / (d + SHAPE_PRIOR) for n, d in zip(s.num, s.den)))
         scale = s.level + SHAPE_PRIOR
-        shape[:G] = itertools.accumulate(shape[:G])
         seen = [j for j in range(G) if s.seen[j] > 0]
         if not seen:
             tree = [0.0] * G
         else:
-            tree = [(1.0 + x * scale) * self._pace(s, k) - 1.0 for k, x in enumerate(shape[:G])]
+            tree = [(1.0 + x * scale) * self._pace(s, k) - 1.0 for k, x in enumerate(shape)]
             j = seen[-1]
             step = tree[j] - (tree[j - 1] if j > 0 else 0.0)
             for k in range(j + 1, G):
@@ -178,15 +182,32 @@ class Selector:
             top = -math.inf
             for k in range(G):
                 top = tree[k] = max(top, min(tree[k], self.caps[k]))
-        # The chain is measured only by its own rounds, and a row is a noisy sample (0 to depth
-        # tokens), so its first few dozen rows lean on the tree of its size. (With four rounds of
-        # prior, on the demo pair at T = 0, c = 4, two lucky rounds of three rows, 8.5 and 15
-        # tokens, took its estimate from 4.9 to 7.2 where its own rounds accepted 5.6, and it was
-        # played over the tree of 6, the best arm there, for 40 rounds.)
-        like = tree[self.chain_twin]
-        w = s.weight[G] / (s.weight[G] + CHAIN_PRIOR)
-        chain = w * min(shape[G] * scale, self.depth) + (1.0 - w) * like
+        chain = 0.0
+        if s.chain_rows > 0:
+            chain = min(self.chain_tokens(s) / (s.chain_base / s.chain_rows + SHAPE_PRIOR) * scale, self.depth)
         return tree, chain
+
+    def chain_tokens(self, s: ClassStats) -> float:
+        """The chain's expected kept tokens a row, from the rounds' walks along the spine: the
+        chain's draft is the tree's spine (the best children), and the target's pick at a depth
+        is the same in both, so a tree round's run is exactly the chain's, or, where it reached
+        the end of the tree's spine, a lower bound. Per depth d, the share of the rows that
+        reached d and stopped there (the rows known to reach d past it stay counted only up to
+        where they were seen) gives the chance of going on; the product of those chances, summed
+        over depths, is the expectation (the Kaplan-Meier estimate). Where less than a row has
+        reached a depth, the chance at the depth before it makes up the row.
+
+        Measured in its own rounds only, the chain rested on the few rounds exploration gave it:
+        on the demo pair at T = 0, c = 1 two engines of three had 18-19 rows of it after 380
+        rounds, and estimated it at 4.8-5.2 tokens where the fixed dflash accepted 5.6 (trees
+        took 95% of their rounds at 0.95-0.96x dflash)."""
+        alive, total, stop = 1.0, 0.0, 0.5
+        for reach, stops in zip(s.reach, s.stops):
+            prior = max(0.0, 1.0 - reach)
+            stop = (stops + prior * stop) / (reach + prior)
+            alive *= 1.0 - stop
+            total += alive
+        return total
 
     @staticmethod
     def _pace(s: ClassStats, j: int) -> float:
@@ -433,11 +454,9 @@ class Selector:
         return rates[AR_ARM] / (max(drafts) * (1.0 + 1.0 / math.sqrt(1.0 + s.rows)))
 
     def _known(self, s: ClassStats, rates: dict[int, float]) -> dict[int, float]:
-        """The rates whose estimates rest on KNOWN rounds or more (AR's always). The chain's
-        estimate leans on its twin tree, so their rounds count alike."""
-        chain_seen = self._seen(s, CHAIN_ARM) + self._seen(s, self.chain_twin)
-        return {a: r for a, r in rates.items()
-                if a == AR_ARM or (chain_seen if a == CHAIN_ARM else self._seen(s, a)) >= KNOWN}
+        """The rates whose estimates rest on KNOWN rounds or more (AR's always; the chain is
+        measured in every drafting round)."""
+        return {a: r for a, r in rates.items() if a == AR_ARM or self._seen(s, a) >= KNOWN}
 
     def held(self, cls: int, rows: int) -> bool:
         """Another AR round of a hold (see choose): nothing to compute, the credit accrues."""
@@ -488,15 +507,16 @@ class Selector:
     # ---- learning ----------------------------------------------------------------------------
 
     def observe(self, cls: int, rows: int, tree: list[list[float]] | np.ndarray | None, run: np.ndarray | list,
-                kept: list[int] | None = None) -> None:
+                kept: list[int] | None = None, chain: list[tuple[int, bool]] | None = None) -> None:
         """One drafting round of `rows` rows. run [rows]: the accepted path's run along the spine
         (a chain round: the chain's accepted tokens). tree [rows, cols]: a tree round's accepted
         tokens at each tree column it measured (None: a chain round), as the requests keep them
         (Policy.observe cuts them at each row's room). kept [rows]: a chain round's accepted
-        tokens as kept (default: run). The base is the walk's, uncut: it is the level every arm
-        is scaled by, and a request's last round says nothing about the text's acceptance. A
-        tree's spine may end before the chain's depth, so only chain rounds measure the chain's
-        shape."""
+        tokens as kept (default: run). chain [rows]: a tree round's measure of the chain, the
+        tokens it would have kept and whether that is exact (else a lower bound: the run reached
+        the end of the tree's spine; default: every run, exact). The base is the walk's, uncut:
+        it is the level every arm is scaled by, and a request's last round says nothing about the
+        text's acceptance."""
         s = self._class(cls)
         G = len(self.grid)
         s.clock += 1
@@ -538,8 +558,34 @@ class Selector:
                 s.steps[j] += u * (h - s.steps[j])
                 s.plain[j] += u * (1.0 + m - s.plain[j])
         else:
-            kept = run if kept is None else kept
-            self._fold(s, G, [sum(kept) / len(kept)], b, rows)
+            s.weight[G] += rows
+            chain = [(k, True) for k in (run if kept is None else kept)]
+        self._fold_chain(s, [(k, True) for k in run] if chain is None else chain, b, rows)
+
+    def _fold_chain(self, s: ClassStats, chain: list[tuple[int, bool]], base: float, rows: int) -> None:
+        """The round's measure of the chain (see chain_tokens) into the class's slow sums."""
+        D = self.depth
+        last = [0.0] * D  # rows whose last depth known reached is d
+        stopped = [0.0] * D
+        for tokens, exact in chain:
+            k = min(int(tokens), D)
+            # (A fractional count is an average: its rows stop at the integers either side.)
+            for n, w in ((k, 1.0 - (tokens - k)), (k + 1, tokens - k)) if k < tokens else ((k, 1.0),):
+                if exact and n < D:
+                    last[n] += w
+                    stopped[n] += w
+                elif n > 0:
+                    last[min(n, D) - 1] += w
+        keep = (1.0 - self.shape_rate) ** rows
+        reached = 0
+        for d in range(D - 1, -1, -1):
+            reached += last[d]
+            s.reach[d] = keep * s.reach[d] + reached
+            s.stops[d] = keep * s.stops[d] + stopped[d]
+        s.chain_rows = keep * s.chain_rows + rows
+        s.chain_base = keep * s.chain_base + base * rows
+        s.seen[len(self.grid)] += 1
+        s.measured_at[len(self.grid)] = s.clock
 
     def _fold(self, s: ClassStats, first: int, xs: list[float], base: float, rows: int) -> None:
         """Entries first.. take the round's accepted tokens xs and its base."""
@@ -559,24 +605,28 @@ class Selector:
         s.gap += 1
 
 
-def by_size(codes: list[int], sizes: list[int]) -> tuple[list[int], int]:
+def by_size(codes: list[int], sizes: list[int]) -> tuple[list[int], int, bool]:
     """What one tree round measured, from its accepted path's codes (runner.path_codes: per node,
-    root first, 2 x its rank in the tree's order + 1 where it is its parent's best child; -1 past
-    the path): the drafted tokens the top-b tree would have accepted, for each b in sizes, and
-    the path's run along the spine.
+    root first, 4 x its rank in the tree's order + 2 where it has a child in the tree + 1 where
+    it is its parent's best child; -1 past the path): the drafted tokens the top-b tree would
+    have accepted, for each b in sizes; the path's run along the spine; and whether the run
+    reached the end of the tree's spine, where the chain of best children (the chain's draft)
+    goes on unmeasured (else the run is exactly what the chain would have accepted).
 
     Exact (tree/value.py accepted_by_size says why): the top-b tree holds the nodes ranked 1..b,
     and ranks grow along a path (a child never outranks its parent), so it accepts the path's
-    nodes ranked b or better."""
+    nodes ranked b or better. A spine node with a child in the tree has its best child there."""
     ranks = []
-    run, spine = 0, True
+    run, spine, last = 0, True, codes[0]
     for c in codes[1:]:
         if c < 0:
             break
-        ranks.append(c >> 1)
+        ranks.append(c >> 2)
         spine = spine and bool(c & 1)
-        run += spine
-    return [bisect.bisect_right(ranks, b) for b in sizes], run
+        if spine:
+            run += 1
+            last = c
+    return [bisect.bisect_right(ranks, b) for b in sizes], run, spine and not last & 2
 
 
 def arm_value(estimate: tuple[list[float], float], arm: int) -> float:
