@@ -216,6 +216,33 @@ def test_lead_judges_a_seat_at_the_long_run_level_not_a_cold_stretch():
     assert sel.lead(0, 4, seconds, seconds[AR_ARM]) < 0.8
 
 
+def test_the_chain_is_measured_in_tree_rounds_past_their_short_spines():
+    """Every drafting round measures the chain: a tree round's run along its spine is the chain's
+    own, or a lower bound where it reached the end of a short spine. Here the chain goes on past
+    each depth with chance 0.8 (3.86 tokens of 15 on average) and the trees' spines end after 2
+    to 15 nodes; never playing the chain, the estimate comes out at its mean, where the runs
+    themselves average 3.1. Rows cut at their request's end count as cut: 3 tokens, then 3."""
+    sel = Selector(GRID, 15)
+    sel.shape_rate = 0.001  # slow sums over ~1000 rows: the estimate's noise well under the gap
+    rng = np.random.default_rng(0)
+    runs = []
+    for _ in range(600):
+        chain, run = [], []
+        for _ in range(4):
+            x = min(int(rng.geometric(0.2)) - 1, 15)  # tokens the chain accepts
+            spine = int(rng.integers(2, 16))
+            run.append(min(x, spine))
+            chain.append((run[-1], x < spine))
+        runs += run
+        sel.observe(0, 4, np.zeros((4, 4)), np.array(run, dtype=float), chain=chain)
+    truth = sum(0.8**d for d in range(1, 16))
+    assert sel.chain_tokens(sel.stats[0]) == pytest.approx(truth, rel=0.06)
+    assert np.mean(runs) < 0.85 * truth
+    for _ in range(600):  # then every row is cut at 3 kept tokens (exact, whatever the spine)
+        sel.observe(0, 4, np.zeros((4, 4)), np.full(4, 3.0), chain=[(3, True)] * 4)
+    assert sel.chain_tokens(sel.stats[0]) == pytest.approx(3.0, abs=0.1)
+
+
 def test_a_steady_class_is_predicted_what_its_arms_accepted():
     """At a steady level the estimates give back what each arm's rounds accepted: the trees' per
     size, the chain's, and a tree of one node at most one token. (With the pseudo-count on one
