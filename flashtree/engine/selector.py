@@ -7,8 +7,9 @@ is a prefix-closed subset of any larger exact tree (tree/value.py), and the targ
 node depends only on the node's prefix and on the noise of its position (seed-exact sampling
 shares it by depth), so the walk through the small tree follows the big tree's accepted path for
 as long as that path stays inside it. A round that verified a tree of B nodes therefore gives,
-exactly, the tokens every top-b tree with b <= B would have accepted; a chain round gives the
-chain's.
+exactly, the tokens every top-b tree with b <= B would have accepted. The chain's draft is the
+tree's spine (each node's best child), so its walk along the spine is the chain's, as far as the
+spine goes (chain_tokens); a chain round gives the chain's to its full depth.
 
 Estimates, per sampling class (acceptance depends on what is sampled, not on the batch size):
 an arm's accepted tokens are shape x (level + P). The level is a recent average of a base every
@@ -16,7 +17,8 @@ drafting arm measures alike (the accepted path's first BASE_DEPTH spine nodes); 
 a slow average of its accepted tokens over (P + the base) in the same rounds (a tree's: the sum
 of what each grid size adds to the next smaller one, both measured in one round). P (a fraction
 of a token) keeps the ratio finite where the base is ~0, and appears on both sides, so a steady
-level gives back the arm's own average. Pairing matters:
+level gives back the arm's own average (the chain's shape: its tokens over the base, both from
+every drafting round). Pairing matters:
 acceptance comes in streaks and big trees are played when it runs high, so averaging each arm
 over the rounds it happened to be played would credit big trees with the good stretches.
 
@@ -88,11 +90,11 @@ AR_ARM, CHAIN_ARM = -2, -1  # arms: AR, the chain, or a tree grid column (>= 0)
 @dataclass
 class ClassStats:
     """Per sampling class. level: the recent average of the base (the accepted path's first
-    BASE_DEPTH spine nodes, which every drafting arm measures alike). num/den per arm (tree
-    columns, then the chain): slow averages of the arm's accepted tokens (a tree column: those
-    over the next smaller column's) and of the base over the rounds that measured the arm, so
-    num/den is its shape (a tree's: the sum up to its column), measured in the same rounds as
-    its base. seen: rounds of evidence per arm; measured_at and played_at: the class's round (its
+    BASE_DEPTH spine nodes, which every drafting arm measures alike). num/den per tree column:
+    slow averages of what the column accepts over the next smaller column and of the base, over
+    the rounds that measured it, so the sum of num/den up to a column is its shape, measured in
+    the same rounds as its base (the chain's: reach and stops below). seen: rounds of evidence
+    per arm (tree columns, then the chain); measured_at and played_at: the class's round (its
     clock) when each arm was last measured and last played, so an arm's age is clock - the older
     of the two (an AR round only ticks)."""
 
@@ -191,10 +193,10 @@ class Selector:
         """The chain's expected kept tokens a row, from the rounds' walks along the spine: the
         chain's draft is the tree's spine (the best children), and the target's pick at a depth
         is the same in both, so a tree round's run is exactly the chain's, or, where it reached
-        the end of the tree's spine, a lower bound. Per depth d, the share of the rows that
-        reached d and stopped there (the rows known to reach d past it stay counted only up to
-        where they were seen) gives the chance of going on; the product of those chances, summed
-        over depths, is the expectation (the Kaplan-Meier estimate). Where less than a row has
+        the end of the tree's spine, a lower bound. Per depth d, of the rows known to reach d
+        (a lower bound counts up to its own depth), the share that stopped there gives the chance
+        of going on; the product of those chances, summed over depths, is the expectation (the
+        Kaplan-Meier estimate). Where less than a row has
         reached a depth, the rest of the row stops there: past the spines measured, the chain
         counts for nothing until its own rounds (exact to its depth) or deeper spines reach
         there. Extrapolated instead with the chance at the depth before, the opening's few rows
@@ -320,10 +322,10 @@ class Selector:
             # the credit does not wait for them: paid from it, they came 7 rounds apart.
             return self._time_ar(s)
         # Candidates: the next two drafting arms by hope, the chain (only its own rounds measure
-        # it: at T = 0, c = 1 the trees of 15 and 16 held both places, the chain was explored
-        # in 11 rounds of 330 and kept an estimate 6% low, where it won), and the biggest tree
-        # that costs at most COLD_COST times the best's round (it measures every smaller tree
-        # too); the stalest of them is played, so no estimate goes unrefreshed for long.
+        # it past the trees' spines: at T = 0, c = 1 the trees of 15 and 16 held both places, the
+        # chain was explored in 11 rounds of 330 and kept an estimate 6% low, where it won), and
+        # the biggest tree that costs at most COLD_COST times the best's round (it measures every
+        # smaller tree too); the stalest of them is played, so no estimate goes unrefreshed.
         ranked = sorted((a for a in drafting if a != best), key=hope.get, reverse=True)
         plausible = ranked[:2]
         if best != AR_ARM and CHAIN_ARM in ranked and CHAIN_ARM not in plausible:
@@ -361,7 +363,8 @@ class Selector:
                 cost = {a: max(0.0, seconds.get(a, ar_seconds) * (1.0 - rates[a] / rates[best])) for a in plausible}
                 thin = {a: a in ranked[:2] and timed.get(a, TIME_WINDOW) < THIN for a in plausible}
                 # And the chain while its own rows are few and it may well be the best: only its
-                # own rounds measure it, where every tree round measures the smaller trees, so
+                # own rounds measure it past the trees' spines (chain_tokens counts nothing there
+                # till then), where every tree round measures the smaller trees whole, so
                 # stalest-first gave it one round in thirty. On the demo pair at T = 0, c = 1 it
                 # rested on 11 rounds after 389 and was predicted 2% below the tree of 12, where
                 # the fixed dflash ran 6% faster than ddtree-12; auto played trees in 55-97% of
