@@ -566,7 +566,9 @@ class Selector:
         else:
             s.weight[G] += rows
             chain = [(k, True) for k in (run if kept is None else kept)]
-        self._fold_chain(s, [(k, True) for k in run] if chain is None else chain, b, rows)
+        if chain is None:
+            chain = [(k, True) for k in run]
+        self._fold_chain(s, chain, b, rows)
 
     def _fold_chain(self, s: ClassStats, chain: list[tuple[int, bool]], base: float, rows: int) -> None:
         """The round's measure of the chain (see chain_tokens) into the class's slow sums."""
@@ -590,8 +592,9 @@ class Selector:
             s.stops[d] = keep * s.stops[d] + stopped[d]
         s.chain_rows = keep * s.chain_rows + rows
         s.chain_base = keep * s.chain_base + base * rows
-        s.seen[len(self.grid)] += 1
-        s.measured_at[len(self.grid)] = s.clock
+        i = self._slot(CHAIN_ARM)
+        s.seen[i] += 1
+        s.measured_at[i] = s.clock
 
     def _fold(self, s: ClassStats, first: int, xs: list[float], base: float, rows: int) -> None:
         """Entries first.. take the round's accepted tokens xs and its base."""
