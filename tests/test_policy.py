@@ -873,6 +873,44 @@ def test_cost_cache_is_written_reused_and_invalidated(pair, tmp_path):
     assert again.cache.lengths == [0] * 8
 
 
+def test_startup_times_only_the_work_it_names(pair, monkeypatch):
+    """No timed function draws its own inputs: the chain build's timing once drew its random logits
+    inside the timed call, 10x the build on the demo pair, and every tree was floored at it (a
+    tree of 8 priced 3.9 ms for a 0.6 ms build at c = 4, a sixth of its round)."""
+    target, drafter = pair
+    draws = {"timed": 0, "inside": False}
+    randn = torch.randn
+
+    def counted(*args, **kwargs):
+        draws["timed"] += draws["inside"]
+        return randn(*args, **kwargs)
+
+    timer_call = cost_model._Timer.__call__
+
+    def timed(self, fn, repeats=2):
+        draws["inside"] = True
+        try:
+            return timer_call(self, fn, repeats)
+        finally:
+            draws["inside"] = False
+
+    monkeypatch.setattr(torch, "randn", counted)
+    monkeypatch.setattr(cost_model._Timer, "__call__", timed)
+    LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", max_model_len=64, max_budget=16,
+                           cost_cache="off"))
+    assert draws["timed"] == 0
+
+
+def test_tree_costs_follow_their_measured_points():
+    """The tree table is the tree builds' own timings (interpolated), whatever the chain build took."""
+    v = {(r, n): 1e-3 * r * n for r in (1, 4) for n in (1, 2, 3, 5)}
+    tr = {(1, 4): 1e-4, (1, 16): 2e-4, (4, 4): 3e-4, (4, 16): 6e-4}
+    model = cost_model._tables(v, {1: 1e-3, 4: 2e-3}, {1: 1e-4, 4: 4e-4}, tr, 5e-3, 4, [1, 2, 3, 5], [4, 16], 4, 5,
+                               16, 0.0)
+    for (r, b), s in tr.items():
+        assert float(model.tree(r, b)) == pytest.approx(s)
+
+
 def test_cost_cache_location(monkeypatch, tmp_path):
     """$FLASHTREE_CACHE_DIR wins, then $XDG_CACHE_HOME/flashtree, then ~/.cache/flashtree; "off" disables."""
     monkeypatch.setenv("FLASHTREE_CACHE_DIR", str(tmp_path / "a"))

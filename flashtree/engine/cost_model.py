@@ -29,7 +29,7 @@ import torch
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.tree import build_chain, build_tree
 
-FORMAT = 1  # bump when the tables change meaning: older cache files are then re-measured
+FORMAT = 2  # bump when the tables change meaning: older cache files are then re-measured
 WINDOWS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025)
 TREE_BUDGETS = (4, 16, 64, 256, 1024)
 DEFAULT_SECONDS = 1.8  # startup measurement time budget
@@ -377,8 +377,8 @@ def measure(target, drafter, cache, draft_cache, max_rows: int, max_window: int,
         else:
             _, r, b = item
             tr[r, b] = timer(tree(r, b))
-    chain_cost = timer(lambda: build_chain(torch.zeros(rows_max, dtype=torch.long, device=device),
-                                           logits(rows_max, depth)))
+    chain_roots, chain_logits = torch.zeros(rows_max, dtype=torch.long, device=device), logits(rows_max, depth)
+    chain_cost = timer(lambda: build_chain(chain_roots, chain_logits))
     for s in range(rows_max):
         cache.set_length(s, 0)
         draft_cache.set_length(s, 0)
@@ -434,7 +434,7 @@ def _tables(v, body, head, tr, chain_cost, rows_max, windows, budgets, depth, ma
     for r in tree_rows:
         pts = {b: s for (rr, b), s in tr.items() if rr == r} or {b: s * r for (rr, b), s in tr.items() if rr == 1}
         pts = _floor(pts) if pts else {tb[0]: chain_cost}
-        tvals.append([max(chain_cost, _interp(pts, b)) for b in tb])
+        tvals.append([_interp(pts, b) for b in tb])
     tree = Grid(tree_rows, tb, tvals)
     overhead = Grid(rows, [0, 1], np.zeros((len(rows), 2)), monotone=(0,))
     return CostModel(verify, draft, tree, overhead, {"rows": rows_max, "window": max_window, "budget": max_budget},
