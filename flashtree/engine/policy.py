@@ -103,6 +103,7 @@ class RoundPlan:
     cls: int = 0  # ... and their sampling class
     measure: int = 0  # tree columns whose accepted tokens the round reads back for the selector
     timed: bool = False  # AR steps played to time them (Selector.choose): always learned from
+    steady: list[bool] | None = None  # per drafting row: its request's previous round played this arm too (auto)
 
     @property
     def drafting(self) -> int:
@@ -184,6 +185,7 @@ class Policy:
         self.sizes = [int(b) for b in self.grid]
         self.scouting: dict[int, float] = {}  # per class, scouts owed to the requests seated plain (admit)
         self._arms: dict[int, tuple[int, dict[int, float], dict[int, RoundPlan]]] = {}
+        self.last_arm: list[tuple] = [()] * slots  # per slot: (request, arm, round) of its last drafting round
         self.times = ArmTimes(lambda arm: 1 if arm == AR_ARM else self.depth + 1 if arm == CHAIN_ARM
                               else int(self.grid[arm]) + 1)
 
@@ -430,7 +432,7 @@ class Policy:
         kept = self.selector.kept(cls, R) if len(rows) == R else None
         if kept is not None and kept in plans:  # a drafting arm decided ahead
             self.rounds += 1
-            return self._played(plans[kept], R, cls, kept)
+            return self._steady(self._played(plans[kept], R, cls, kept), reqs)
         seconds = self.ar_price(self.times.seconds(R, modelled), len(rows))
         if len(rows) < R:  # plain rows in the batch: only the others draft, at their price
             seconds, timed = self._partial(R, len(rows), modelled, plans, seconds), None
@@ -452,8 +454,18 @@ class Policy:
             start = self.rounds % len(rows)
             rows = sorted((rows[start:] + rows[:start])[:k])
         if len(rows) < R:
-            return self._only(plan, rows, self.selector.predicted(cls, arm), cls)
-        return self._played(plan, R, cls, arm)
+            return self._steady(self._only(plan, rows, self.selector.predicted(cls, arm), cls), reqs)
+        return self._steady(self._played(plan, R, cls, arm), reqs)
+
+    def _steady(self, plan: RoundPlan, reqs: list[Request]) -> RoundPlan:
+        """Mark the drafting rows whose request's previous round played this arm (Selector.own_fix)."""
+        steady = []
+        for i in plan.draft_rows:
+            r = reqs[i]
+            steady.append(self.last_arm[r.slot] == (r.request_id, plan.arm, self.rounds - 1))
+            self.last_arm[r.slot] = (r.request_id, plan.arm, self.rounds)
+        plan.steady = steady
+        return plan
 
     def _played(self, plan: RoundPlan, R: int, cls: int, arm: int) -> RoundPlan:
         """The arm's plan for every row, with the selector's prediction (a copy: the table's
@@ -660,13 +672,15 @@ class Policy:
         cap = [min(room[i] - 1, self.depth) for i in rows] if room is not None else [self.depth] * len(rows)
         if plan.arm == CHAIN_ARM:
             walked = [accepted[i] for i in rows]
-            self.selector.observe(plan.cls, len(walked), None, walked, [min(a, c) for a, c in zip(walked, cap)])
+            self.selector.observe(plan.cls, len(walked), None, walked, [min(a, c) for a, c in zip(walked, cap)],
+                                  steady=plan.steady)
             return
         tree = [[min(x, c) for x in by] for (by, _, _), c in zip(measured, cap)]
         # The chain's kept tokens: the run, exact unless it reached the end of the tree's spine
         # short of the row's cap (then at least the run).
         chain = [(min(run, c), not open or run >= c) for (_, run, open), c in zip(measured, cap)]
-        self.selector.observe(plan.cls, len(tree), tree, [run for _, run, _ in measured], chain=chain)
+        self.selector.observe(plan.cls, len(tree), tree, [run for _, run, _ in measured], chain=chain,
+                              steady=plan.steady)
 
     def curve_columns(self, plan: RoundPlan) -> int:
         """Tree-curve columns the round reads back: the grid sizes up to the tree's budget."""

@@ -62,6 +62,7 @@ SHAPE_RATE = 0.01  # ... and in an arm's shape, which changes slowly
 LONG_RATE = 0.002  # ... and in the long-run level: what a request seated now may expect (lead)
 BASE_DEPTH = 3  # the level counts the accepted path's first BASE_DEPTH spine nodes
 SHAPE_PRIOR = 0.5  # P: base tokens added to both sides of a shape, so it stays finite where the base is ~0
+OWN_PRIOR = 64.0  # tokens of prior (at a ratio of 1) in an arm's own record (own_fix): a dozen rows
 KNOWN = 3  # rounds of evidence before an arm's estimate is trusted
 CHAIN_THIN = 64  # a hopeful chain measured in fewer rows than this is explored first
 COLD_ROUNDS = 3  # drafting rounds a new class opens with (the exploration tree)
@@ -73,6 +74,7 @@ KEEP_MAX, KEEP_STEP = 4, 0.01  # drafting rounds decided at once, at most; the l
 KEEP_MIN = 2  # ... and at least, near a tie too
 KEEP_AFTER = 16  # rounds of a class before a drafting choice is kept for more than its round
 AR_MARGIN = 1.03  # a drafting arm is played over AR steps only where it predicts this much more
+STAY = 1.03  # the drafting arm chosen last stays the best until another predicts this much more
 TIE = 1.02  # drafting arms predicted within this factor of the best tie: the cheapest is played
 PROBE_PRICE = 0.25  # a probe from AR steps after one that left AR ahead costs at least this share
 #                     of its round: near parity (hopeful above AR's rate) probes were free, so every
@@ -120,6 +122,7 @@ class ClassStats:
     hold: tuple = (0, 0, 0.0)  # AR steps decided ahead: (rows, rounds left, credit per round)
     # A drafting arm decided ahead: (rows, rounds left, arm, credit per round, its estimate then).
     keep: tuple = (0, 0, AR_ARM, 0.0, 0.0)
+    best: int = AR_ARM  # the drafting arm last chosen as the best (choose: it stays within STAY)
     probes: int = 0  # probes from AR steps since a drafting arm was last the best
     ar_at: float = -math.inf  # the class's round when AR steps were last played to time them
     played_at: list[float] = field(default_factory=list)
@@ -130,6 +133,11 @@ class ClassStats:
     stops: list[float] = field(default_factory=list)
     chain_rows: float = 0.0
     chain_base: float = 0.0
+    # Per arm (tree columns, then the chain): slow sums, over its steady rows (observe), of the
+    # tokens they kept and of what the uncorrected estimate predicted for them (own_fix).
+    own: list[float] = field(default_factory=list)
+    raw: list[float] = field(default_factory=list)
+    raw_estimate: tuple = ()  # the uncorrected estimate (accepted), as of the last choice
 
 
 class Selector:
@@ -141,6 +149,7 @@ class Selector:
         self.explore_share = EXPLORE_SHARE
         self.shape_rate = SHAPE_RATE
         self.wide_cost = COLD_COST
+        self.stay = STAY
         self.probing = False
         self.timing = False
         self.retime = False
@@ -152,18 +161,37 @@ class Selector:
             g = len(self.grid)
             self.stats[cls] = ClassStats([0.0] * g, [0.0] * g, [0.0] * n, [-math.inf] * n, [0.0] * n,
                                          [1.0] * g, [1.0] * g, [1.0] * g, played_at=[-math.inf] * n,
-                                         reach=[0.0] * self.depth, stops=[0.0] * self.depth)
+                                         reach=[0.0] * self.depth, stops=[0.0] * self.depth,
+                                         own=[0.0] * n, raw=[0.0] * n)
         return self.stats[cls]
 
     # ---- estimates ---------------------------------------------------------------------------
 
     def accepted(self, cls: int) -> tuple[list[float], float]:
         """Expected drafted tokens accepted per row: [G] per tree column, and the chain's, as
-        shape x (level + P). Tree columns never measured extend the largest measured one by its last
-        increment, in shrinking steps; a bigger tree never accepts less. The chain's shape is its
-        tokens from every drafting round (chain_tokens) over their base. (Plain floats: G is
-        about a dozen, and this runs in every drafting round.)"""
+        shape x (level + P), each times its arm's own record (own_fix). Tree columns never
+        measured extend the largest measured one by its last increment, in shrinking steps; a
+        bigger tree never accepts less. The chain's shape is its tokens from every drafting round
+        (chain_tokens) over their base. (Plain floats: G is about a dozen, and this runs in
+        every drafting round.)"""
         s = self._class(cls)
+        s.raw_estimate = self._curves(s, None)
+        fix = self.own_fix(s)
+        return self._curves(s, fix) if any(f != 1.0 for f in fix) else s.raw_estimate
+
+    def own_fix(self, s: ClassStats) -> list[float]:
+        """Per arm (tree columns, then the chain), what its own steady rounds accepted over what
+        the measured estimate predicted for them (1 with none). A round's acceptance depends on
+        where it starts, and a round starts where the previous one ended: one measure of every
+        smaller tree and of the chain is exact for the round's start, but the arm played puts
+        the starts elsewhere than each arm would by itself. On the demo pair at T = 0, c = 4 the
+        chain, from the spines of the trees of 12 and 16, measured 5.4-5.5 tokens, and 4.8 from
+        the tree of 8's, where its own rounds kept 4.96; the tree of 8 measured 3.7 in the tree
+        of 16's rounds and 4.2 in its own. Only rounds that follow the same arm's round for the
+        same request start where that arm puts them (steady, see observe)."""
+        return [(o + OWN_PRIOR) / (r + OWN_PRIOR) for o, r in zip(s.own, s.raw)]
+
+    def _curves(self, s: ClassStats, fix: list[float] | None) -> tuple[list[float], float]:
         G = len(self.grid)
         # Tree column j holds its increment over column j - 1 (see observe): the shapes are sums.
         # P on one side only (it was, for the increments) took a steady level's estimates down
@@ -176,6 +204,8 @@ class Selector:
             tree = [0.0] * G
         else:
             tree = [(1.0 + x * scale) * self._pace(s, k) - 1.0 for k, x in enumerate(shape)]
+            if fix is not None:
+                tree = [x * f for x, f in zip(tree, fix)]
             j = seen[-1]
             step = tree[j] - (tree[j - 1] if j > 0 else 0.0)
             for k in range(j + 1, G):
@@ -186,7 +216,8 @@ class Selector:
                 top = tree[k] = max(top, min(tree[k], self.caps[k]))
         chain = 0.0
         if s.chain_rows > 0:
-            chain = min(self.chain_tokens(s) / (s.chain_base / s.chain_rows + SHAPE_PRIOR) * scale, self.depth)
+            chain = self.chain_tokens(s) / (s.chain_base / s.chain_rows + SHAPE_PRIOR) * scale
+            chain = min(chain * (fix[G] if fix is not None else 1.0), self.depth)
         return tree, chain
 
     def chain_tokens(self, s: ClassStats) -> float:
@@ -299,6 +330,9 @@ class Selector:
                 bar = known[best] / TIE
                 tied = [a for a in known if a >= 0 and known[a] >= bar]
                 best = min(tied, key=seconds.get)
+            if s.best in known and s.best != AR_ARM and known[s.best] * self.stay >= known[best]:
+                best = s.best
+            s.best = best
         # Optimism where an arm's acceptance or its seconds at this batch size rest on few rounds.
         timed = timed or {}
         hope = {a: rates[a] * (1.0 + 1.0 / math.sqrt(1.0 + self._evidence(s, a, timed.get(a, TIMED))))
@@ -513,7 +547,8 @@ class Selector:
     # ---- learning ----------------------------------------------------------------------------
 
     def observe(self, cls: int, rows: int, tree: list[list[float]] | np.ndarray | None, run: np.ndarray | list,
-                kept: list[int] | None = None, chain: list[tuple[int, bool]] | None = None) -> None:
+                kept: list[int] | None = None, chain: list[tuple[int, bool]] | None = None,
+                steady: list[bool] | None = None) -> None:
         """One drafting round of `rows` rows. run [rows]: the accepted path's run along the spine
         (a chain round: the chain's accepted tokens). tree [rows, cols]: a tree round's accepted
         tokens at each tree column it measured (None: a chain round), as the requests keep them
@@ -522,7 +557,9 @@ class Selector:
         tokens it would have kept and whether that is exact (else a lower bound: the run reached
         the end of the tree's spine; default: every run, exact). The base is the walk's, uncut:
         it is the level every arm is scaled by, and a request's last round says nothing about the
-        text's acceptance."""
+        text's acceptance. steady [rows]: whether the row's previous round played this arm too (its
+        round starts where the arm's own rounds do): those rows go to the arm's own record
+        (own_fix)."""
         s = self._class(cls)
         G = len(self.grid)
         s.clock += 1
@@ -566,9 +603,28 @@ class Selector:
         else:
             s.weight[G] += rows
             chain = [(k, True) for k in (run if kept is None else kept)]
+        if steady is not None and s.raw_estimate:
+            if tree is not None and len(tree[0]):
+                arm, got = len(tree[0]) - 1, [r[-1] for r in table]
+            else:
+                arm, got = CHAIN_ARM, [k for k, _ in chain]
+            self._fold_own(s, arm, [g for g, st in zip(got, steady) if st], rows)
         if chain is None:
             chain = [(k, True) for k in run]
         self._fold_chain(s, chain, b, rows)
+
+    def _fold_own(self, s: ClassStats, arm: int, got: list[float], rows: int) -> None:
+        """Steady rows of the arm played: what they kept, and what the uncorrected estimate the
+        round was chosen with predicted (see own_fix). Every arm's record fades with the class's
+        rows (at LONG_RATE), so a ratio learned in one stretch of text, or while the estimates
+        lagged a change of acceptance, does not stand for good over an arm no longer played."""
+        keep = (1.0 - LONG_RATE) ** rows
+        s.own = [keep * x for x in s.own]
+        s.raw = [keep * x for x in s.raw]
+        if got:
+            i = self._slot(arm)
+            s.own[i] += sum(got)
+            s.raw[i] += len(got) * arm_value(s.raw_estimate, arm)
 
     def _fold_chain(self, s: ClassStats, chain: list[tuple[int, bool]], base: float, rows: int) -> None:
         """The round's measure of the chain (see chain_tokens) into the class's slow sums."""
