@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from flashtree.engine.runner import path_codes
-from flashtree.engine.selector import AR_ARM, CHAIN_ARM, COLD_ROUNDS, KEEP_MAX, KEEP_MIN, SHAPE_PRIOR, Selector, by_size
+from flashtree.engine.selector import (AR_ARM, CHAIN_ARM, COLD_ROUNDS, KEEP_MAX, KEEP_MIN, SHAPE_PRIOR, STAY, Selector,
+                                       by_size)
 from flashtree.tree import accept_walk, build_chain, build_tree
 from flashtree.tree.markov import build_markov_chain, build_markov_tree
 from flashtree.tree.value import accepted_by_size, spine_mask, spine_run
@@ -284,10 +285,43 @@ def test_a_tree_measured_in_a_bigger_trees_rounds_is_predicted_its_own_rounds_to
     assert sel.accepted(0)[0][0] == pytest.approx(1 / ((8 / 9) / 3 + (1 / 9)) - 1, rel=0.05)
 
 
+def test_an_arms_own_steady_rounds_correct_what_other_arms_rounds_measured():
+    """A round's acceptance depends on where it starts, and the arm played puts the starts. Here
+    the tree of 16's rounds measure the chain at 8 tokens (its walk along their spines), while
+    the chain's own rounds, in stretches of three between the tree's, keep 4. The chain's
+    estimate follows its steady rounds (the second and third of a stretch, which start where a
+    chain round ended); chain rounds after another arm's teach nothing of it (steady False:
+    without the steady rows the estimate stays at what all rounds measured, 5.9), and the record
+    fades back once the chain is no longer played."""
+    acc = [1.0, 2.0, 3.5, 6.0, 8.0, 8.0]
+    chains, sels = {}, {}
+    for steady in (True, False):
+        sel = sels[steady] = Selector(GRID, 15)
+        for _ in range(40):
+            for i in range(3):
+                sel._estimate(0)
+                sel.observe(0, 4, np.tile(np.asarray(acc), (4, 1)), np.full(4, 8.0), chain=[(8, True)] * 4,
+                            steady=[i > 0] * 4)
+            for i in range(3):
+                sel._estimate(0)
+                sel.observe(0, 4, None, np.full(4, 4.0), steady=[steady and i > 0] * 4)
+        chains[steady] = (sel._estimate(0)[1], sel.stats[0].raw_estimate[1])
+        assert sel._estimate(0)[0][5] == pytest.approx(8.0, rel=0.02)  # the tree of 16: as its rounds accept
+    (fixed, raw), (plain, plain_raw) = chains[True], chains[False]
+    assert raw > 5.5 and fixed == pytest.approx(4.0, rel=0.1)
+    assert plain == plain_raw == pytest.approx(raw, rel=0.02)
+    sel = sels[True]
+    for _ in range(600):  # the tree of 16 alone: the chain's record fades back
+        sel._estimate(0)
+        sel.observe(0, 4, np.tile(np.asarray(acc), (4, 1)), np.full(4, 8.0), chain=[(8, True)] * 4,
+                    steady=[True] * 4)
+    assert sel.own_fix(sel.stats[0])[-1] == pytest.approx(1.0, abs=0.1)
+
+
 def test_a_few_lucky_chain_rows_do_not_lift_the_chain_over_a_measured_tree():
-    """The chain's first rows lean on the tree of its size (CHAIN_PRIOR rows): one row of 15
-    tokens and two of 8.5 do not make it the best arm where trees were measured in 40 rounds of
-    four rows to accept what it does on average. And each row weighs alike: a round of one row
+    """The chain is measured in every tree round too (their runs along the spine): one row of 15
+    tokens and two of 8.5 of its own do not make it the best arm where 40 tree rounds of four
+    rows measured what it accepts on average. And each row weighs alike: a round of one row
     counts a quarter of a round of four."""
     sel = Selector(GRID, 15)
     acc = [0.95, 1.7, 3.0, 4.4, 5.6, 5.6, 6.0]  # the tree of 15 (the chain's twin) accepts 5.6
@@ -358,6 +392,30 @@ def test_drafting_arms_that_tie_play_the_cheapest():
     sel = Selector(GRID, 15)
     arms = _play(sel, 200, acc, acc_chain=3.0, seconds=seconds)
     assert arms[50:].count(3) > 0.8 * 150
+
+
+def test_the_arm_chosen_stays_until_another_leads_by_the_stay_margin():
+    """The tree of 8 leads the chain; then the chain creeps 2% ahead (within STAY, where the
+    estimates' noise and a switch's cost decide): the tree of 8 stays. At 8% ahead the chain
+    takes over. (Without the margin the chain took 83% of the middle stretch.)"""
+    seconds = _seconds(0.05)
+    acc8 = 4.0
+    rate8 = (1 + acc8) / seconds[3]
+    acc = [0.9, 1.7, 3.0, acc8, 4.2, 4.3, 4.4]  # bigger trees add little for their cost
+
+    def chain_at(lead: float) -> float:
+        return lead * rate8 * seconds[CHAIN_ARM] - 1
+
+    counts = {}
+    for stay in (STAY, 1.0):
+        sel = Selector(GRID, 15)
+        sel.stay = stay
+        _play(sel, 150, acc, acc_chain=chain_at(0.9), seconds=seconds)
+        middle = _play(sel, 300, acc, acc_chain=chain_at(1.02), seconds=seconds)[100:]
+        last = _play(sel, 300, acc, acc_chain=chain_at(1.08), seconds=seconds)[150:]
+        counts[stay] = (middle.count(3) / len(middle), last.count(CHAIN_ARM) / len(last))
+    assert counts[STAY][0] > 0.8 and counts[STAY][1] > 0.8
+    assert counts[1.0][0] < 0.5
 
 
 def test_arm_times_price_a_tree_from_trees_and_lean_on_the_pooled_trees():

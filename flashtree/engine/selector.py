@@ -394,7 +394,11 @@ class Selector:
                 # in few rounds, was priced at the trees' pooled bias, 3% above its own rounds
                 # (the model's error is partly additive: small trees' bias is larger), and the
                 # trees of 4 and 6 took its rounds at 0.91-0.96x the fixed ddtree-8.
-                cost = {a: max(0.0, seconds.get(a, ar_seconds) * (1.0 - rates[a] / rates[best])) for a in plausible}
+                # A switch is never free: one predicted within STAY of the best (or ahead of the arm
+                # that stays) costs that share of its round, so it is explored from the credit
+                # like the others, not every round its age passes one.
+                floor = self.stay - 1.0
+                cost = {a: seconds.get(a, ar_seconds) * max(floor, 1.0 - rates[a] / rates[best]) for a in plausible}
                 thin = {a: a in ranked[:2] and timed.get(a, TIME_WINDOW) < THIN for a in plausible}
                 # And the chain while its own rows are few and it may well be the best: only its
                 # own rounds measure it past the trees' spines (chain_tokens counts nothing there
