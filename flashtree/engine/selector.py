@@ -62,7 +62,11 @@ SHAPE_RATE = 0.01  # ... and in an arm's shape, which changes slowly
 LONG_RATE = 0.002  # ... and in the long-run level: what a request seated now may expect (lead)
 BASE_DEPTH = 3  # the level counts the accepted path's first BASE_DEPTH spine nodes
 SHAPE_PRIOR = 0.5  # P: base tokens added to both sides of a shape, so it stays finite where the base is ~0
-OWN_PRIOR = 64.0  # tokens of prior (at a ratio of 1) in an arm's own record (own_fix): a dozen rows
+# Tokens of prior (at a ratio of 1) in an arm's own record (own_fix): about 40 rows. With 64 (a
+# dozen rows), at T = 0, c = 1 the chain's first steady stretch of 40 rows, in hard text, put it at
+# 0.74 of its measure, and exploration rounds are never steady, so that stood: the tree of 6 took
+# the rest of the run (2 runs of 7 on trees, 0.90x the chain-led runs; 0 of 6 with 256).
+OWN_PRIOR = 256.0
 KNOWN = 3  # rounds of evidence before an arm's estimate is trusted
 CHAIN_THIN = 64  # a hopeful chain measured in fewer rows than this is explored first
 COLD_ROUNDS = 3  # drafting rounds a new class opens with (the exploration tree)
