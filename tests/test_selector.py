@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from flashtree.engine.runner import path_codes
-from flashtree.engine.selector import (AR_ARM, CHAIN_ARM, COLD_ROUNDS, KEEP_MAX, KEEP_MIN, SHAPE_PRIOR, STAY, Selector,
-                                       by_size)
+from flashtree.engine.selector import (AR_ARM, CHAIN_ARM, COLD_ROUNDS, KEEP_MAX, KEEP_MIN, SETTLE, SETTLE_FLOOR,
+                                       SHAPE_PRIOR, STAY, Selector, by_size, settled)
 from flashtree.tree import accept_walk, build_chain, build_tree
 from flashtree.tree.markov import build_markov_chain, build_markov_tree
 from flashtree.tree.value import accepted_by_size, spine_mask, spine_run
@@ -285,37 +285,51 @@ def test_a_tree_measured_in_a_bigger_trees_rounds_is_predicted_its_own_rounds_to
     assert sel.accepted(0)[0][0] == pytest.approx(1 / ((8 / 9) / 3 + (1 / 9)) - 1, rel=0.05)
 
 
-def test_an_arms_own_steady_rounds_correct_what_other_arms_rounds_measured():
+def test_a_trees_own_steady_rounds_correct_what_other_arms_rounds_measured():
     """A round's acceptance depends on where it starts, and the arm played puts the starts. Here
-    the tree of 16's rounds measure the chain at 8 tokens (its walk along their spines), while
-    the chain's own rounds, in stretches of three between the tree's, keep 4. The chain's
-    estimate follows its steady rounds (the second and third of a stretch, which start where a
-    chain round ended); chain rounds after another arm's teach nothing of it (steady False:
-    without the steady rows the estimate stays at what all rounds measured, 5.9), and the record
-    fades back once the chain is no longer played."""
-    acc = [1.0, 2.0, 3.5, 6.0, 8.0, 8.0]
-    chains, sels = {}, {}
+    the tree of 16's rounds measure the tree of 8 at 6 tokens, while the tree of 8's own rounds,
+    in stretches of three between the tree of 16's, keep 4. The tree of 8's estimate follows its
+    steady rounds (the second and third of a stretch, which start where one of its rounds
+    ended); rounds after another arm's teach nothing of it (steady False: the estimate stays
+    near what all rounds measured), and the record fades back once it is no longer played."""
+    big, own = [1.0, 2.0, 3.5, 6.0, 8.0, 8.0], [1.0, 2.0, 3.5, 4.0]
+    ests, sels = {}, {}
     for steady in (True, False):
         sel = sels[steady] = Selector(GRID, 15)
         for _ in range(40):
             for i in range(3):
                 sel._estimate(0)
-                sel.observe(0, 4, np.tile(np.asarray(acc), (4, 1)), np.full(4, 8.0), chain=[(8, True)] * 4,
-                            steady=[i > 0] * 4)
+                sel.observe(0, 4, np.tile(np.asarray(big), (4, 1)), np.full(4, 8.0), steady=[i > 0] * 4)
             for i in range(3):
                 sel._estimate(0)
-                sel.observe(0, 4, None, np.full(4, 4.0), steady=[steady and i > 0] * 4)
-        chains[steady] = (sel._estimate(0)[1], sel.stats[0].raw_estimate[1])
-        assert sel._estimate(0)[0][5] == pytest.approx(8.0, rel=0.02)  # the tree of 16: as its rounds accept
-    (fixed, raw), (plain, plain_raw) = chains[True], chains[False]
-    assert raw > 5.5 and fixed == pytest.approx(4.0, rel=0.1)
-    assert plain == plain_raw == pytest.approx(raw, rel=0.02)
+                sel.observe(0, 4, np.tile(np.asarray(own), (4, 1)), np.full(4, 4.0), steady=[steady and i > 0] * 4)
+        ests[steady] = (sel._estimate(0)[0][3], sel.stats[0].raw_estimate[0][3])
+    (fixed, raw), (plain, plain_raw) = ests[True], ests[False]
+    assert raw > 4.5 and fixed == pytest.approx(4.0, rel=0.1)
+    assert plain == pytest.approx(plain_raw, rel=0.03) and plain > 4.5
     sel = sels[True]
-    for _ in range(600):  # the tree of 16 alone: the chain's record fades back
+    for _ in range(600):  # the tree of 16 alone: the tree of 8's record fades back
         sel._estimate(0)
-        sel.observe(0, 4, np.tile(np.asarray(acc), (4, 1)), np.full(4, 8.0), chain=[(8, True)] * 4,
-                    steady=[True] * 4)
-    assert sel.own_fix(sel.stats[0])[-1] == pytest.approx(1.0, abs=0.1)
+        sel.observe(0, 4, np.tile(np.asarray(big), (4, 1)), np.full(4, 8.0), steady=[True] * 4)
+    assert sel.own_fix(sel.stats[0])[3] == pytest.approx(1.0, abs=0.1)
+
+
+def test_the_chain_keeps_no_record_its_own_rounds_go_into_its_estimate():
+    """The chain's own rounds are measured exactly and go into its estimate as they come, so it
+    takes no own-rounds factor: where the trees' spines measure it at 8 and its own steady
+    rounds keep 4, its estimate lies between (each round's rows weigh alike), its factor is 1."""
+    acc = [1.0, 2.0, 3.5, 6.0, 8.0, 8.0]
+    sel = Selector(GRID, 15)
+    for _ in range(40):
+        for i in range(3):
+            sel._estimate(0)
+            sel.observe(0, 4, np.tile(np.asarray(acc), (4, 1)), np.full(4, 8.0), chain=[(8, True)] * 4,
+                        steady=[i > 0] * 4)
+        for i in range(3):
+            sel._estimate(0)
+            sel.observe(0, 4, None, np.full(4, 4.0), steady=[i > 0] * 4)
+    assert sel.own_fix(sel.stats[0])[-1] == 1.0
+    assert 4.5 < sel._estimate(0)[1] < 7.5
 
 
 def test_a_few_lucky_chain_rows_do_not_lift_the_chain_over_a_measured_tree():
@@ -498,3 +512,10 @@ def test_a_clear_lead_is_decided_further_ahead_than_a_near_tie():
         run = run + 1 if k else 0
         longest = max(longest, run)
     assert longest == KEEP_MIN and sum(kept) > 0.3 * 200
+
+
+def test_the_exploration_share_settles_as_the_best_arm_holds():
+    """Full while the best arm is new, then as sqrt(SETTLE / rounds held), never below the floor."""
+    assert settled(1) == settled(SETTLE) == 1.0
+    assert settled(4 * SETTLE) == pytest.approx(0.5)
+    assert settled(10 ** 6) == SETTLE_FLOOR

@@ -72,6 +72,13 @@ CHAIN_THIN = 64  # a hopeful chain measured in fewer rows than this is explored 
 COLD_ROUNDS = 3  # drafting rounds a new class opens with (the exploration tree)
 COLD_COST = 2.0  # the opening tree may cost this many times the cheapest drafting round
 EXPLORE_SHARE = 0.015  # share of round time that pays for exploration while drafting wins (0.03 lost 2-4%)
+# ... while the best arm is new; once it has held SETTLE rounds at one batch size, its predicted
+# rate within SETTLE_MOVE of what it was then, the share shrinks as sqrt(SETTLE / rounds held),
+# to SETTLE_FLOOR of it at most. At T = 0, c = 1 on the demo pair the chain leads the trees of
+# 12-16 by 3-4% for good, and the full share (trees' first timings, then the stalest runner-up)
+# kept 7-9% of rounds on trees: 1.5-2% behind the fixed dflash. A rate that moves (acceptance
+# fell, or rose) starts it over: the runners-up's estimates are stale then.
+SETTLE, SETTLE_FLOOR, SETTLE_MOVE = 64, 0.25, 1.2
 PROBE_MIN = 0.002  # ... and where AR wins by a wide margin
 HOLD_MAX = 64  # AR rounds decided at once, at most
 KEEP_MAX, KEEP_STEP = 4, 0.01  # drafting rounds decided at once, at most; the lead each one needs
@@ -127,6 +134,9 @@ class ClassStats:
     # A drafting arm decided ahead: (rows, rounds left, arm, credit per round, its estimate then).
     keep: tuple = (0, 0, AR_ARM, 0.0, 0.0)
     best: int = AR_ARM  # the drafting arm last chosen as the best (choose: it stays within STAY)
+    # The best arm (AR steps too) and batch size of the choice, the round since when they have
+    # been, and the arm's rate then: the exploration share settles while they hold (settled).
+    settle: tuple = (None, 0, 0, 0.0)
     probes: int = 0  # probes from AR steps since a drafting arm was last the best
     ar_at: float = -math.inf  # the class's round when AR steps were last played to time them
     played_at: list[float] = field(default_factory=list)
@@ -193,8 +203,19 @@ class Selector:
         trees of 12 and 16 and 5.6 along the tree of 8's, where its own rounds kept 4.96; the
         tree of 8 measured 4.10 in the tree of 16's rounds and 4.36 in its own. Only rounds that
         follow the same arm's round for the same request start where that arm puts them (steady,
-        see observe)."""
-        return [(o + OWN_PRIOR) / (r + OWN_PRIOR) for o, r in zip(s.own, s.raw)]
+        see observe).
+
+        The chain keeps no record (its entry is 1): its own rounds are measured exactly and go
+        into its estimate as they come (chain_tokens). With one, on the demo pair at T = 0, c = 1
+        the record fell to 0.85-0.93 in five of the six engines where it was printed, and the
+        trees of 12-16 took 26-64% of the rounds in 5 auto engines of 17 (0.94-0.96x the fixed
+        dflash, which outran every tree by 3-4%); without, 1 of 11 spent 25% on trees, the rest
+        3-9%. (Why it ran low there is not settled: a record compares rounds with the estimate
+        they were chosen on, and an arm is chosen where its estimate runs high.) At c = 4, the
+        chain and the tree of 8 tied, it made no difference."""
+        fix = [(o + OWN_PRIOR) / (r + OWN_PRIOR) for o, r in zip(s.own, s.raw)]
+        fix[-1] = 1.0
+        return fix
 
     def _curves(self, s: ClassStats, fix: list[float] | None) -> tuple[list[float], float]:
         G = len(self.grid)
@@ -338,11 +359,14 @@ class Selector:
             if s.best in known and s.best != AR_ARM and known[s.best] * self.stay >= known[best]:
                 best = s.best
             s.best = best
+        a, r, since, ref = s.settle
+        if (a, r) != (best, rows) or not ref / SETTLE_MOVE <= known[best] <= ref * SETTLE_MOVE:
+            s.settle = (best, rows, s.clock, known[best])
         # Optimism where an arm's acceptance or its seconds at this batch size rest on few rounds.
         timed = timed or {}
         hope = {a: rates[a] * (1.0 + 1.0 / math.sqrt(1.0 + self._evidence(s, a, timed.get(a, TIMED))))
                 for a in drafting}
-        share = self.explore_share
+        share = self.explore_share * settled(s.clock - s.settle[2])
         # From AR steps the probe is the best drafting arm, hopeful only where its acceptance rests
         # on few rounds: its seconds are new at every batch size a draining batch passes through,
         # and counting that would make every such round a free probe.
@@ -613,11 +637,9 @@ class Selector:
             s.weight[G] += rows
             chain = [(k, True) for k in (run if kept is None else kept)]
         if steady is not None and s.raw_estimate:
-            if tree is not None and len(tree[0]):
-                arm, got = len(tree[0]) - 1, [r[-1] for r in table]
-            else:
-                arm, got = CHAIN_ARM, [k for k, _ in chain]
-            self._fold_own(s, arm, [g for g, st in zip(got, steady) if st], rows)
+            played = tree is not None and len(tree[0])  # a chain round only fades the records (own_fix)
+            self._fold_own(s, len(tree[0]) - 1 if played else CHAIN_ARM,
+                           [r[-1] for r, st in zip(table, steady) if st] if played else [], rows)
         if chain is None:
             chain = [(k, True) for k in run]
         self._fold_chain(s, chain, b, rows)
@@ -677,6 +699,13 @@ class Selector:
         s = self._class(cls)
         s.clock += 1
         s.gap += 1
+
+
+def settled(held: int) -> float:
+    """The exploration share's factor once the best arm has held `held` rounds (SETTLE): exploring
+    keeps estimates fresh where arms are close, and the longer one arm stays the best, the less
+    likely a stale estimate is hiding a better one (as the bonus of a confidence bound shrinks)."""
+    return min(1.0, max(SETTLE_FLOOR, math.sqrt(SETTLE / max(held, 1))))
 
 
 def by_size(codes: list[int], sizes: list[int]) -> tuple[list[int], int, bool]:
