@@ -29,17 +29,17 @@ batch size, both from timed rounds (ArmTimes). Then
 
 drafting the rows that may draft (all, unless the batch holds plain requests: Policy.admit).
 
-and the best measured arm is played. A share of round time is credit for exploration: the
-stalest of the runners-up (optimistic where an arm rests on few rounds) is played when the
-credit covers its expected loss. Where AR wins, the share shrinks with how far drafting trails,
-so a class whose drafts never pay (T = 1 with a weak drafter) hardly ever drafts, and AR steps
-are decided ahead until the next probe is affordable; a drafting arm that clearly leads is
-decided a few rounds ahead too (kept), the choice being most of a round's host work. A class
-seen for the first time opens with the largest tree that costs at most twice the cheapest
-drafting round, which measures many sizes, with AR steps timed between those rounds (an arm's
-price is only worth its ratio to the others', so they are timed in the same seconds). A probe
-from AR steps drafts a few rows, or all of them while the arm's price at this batch size rests
-on few of its own rounds.
+and the best measured arm is played. A share of round time (smaller the longer the same arm
+stays the best: settled) is credit for exploration: the stalest of the runners-up (optimistic
+where an arm rests on few rounds) is played when the credit covers its expected loss. Where AR
+wins, the share shrinks with how far drafting trails, so a class whose drafts never pay (T = 1
+with a weak drafter) hardly ever drafts, and AR steps are decided ahead until the next probe is
+affordable; a drafting arm that clearly leads is decided a few rounds ahead too (kept), the
+choice being most of a round's host work. A class seen for the first time opens with the largest
+tree that costs at most twice the cheapest drafting round, which measures many sizes, with AR
+steps timed between those rounds (an arm's price is only worth its ratio to the others', so they
+are timed in the same seconds). A probe from AR steps drafts a few rows, or all of them while
+the arm's price at this batch size rests on few of its own rounds.
 
 The plans are the fixed methods' own (every row alike), so a round costs what that fixed method's
 round does: no per-row plan and, apart from a tree round's accepted path codes (integers read
