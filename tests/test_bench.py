@@ -245,8 +245,12 @@ def test_bench_command_rejects_bad_input(pair, tmp_path, capsys):
     assert main(base + ["--methods", "ar,beam"]) == 2
     assert main(base + ["--suites", "nope"]) == 2
     assert main(base + ["--budgets", "0"]) == 2
+    assert main(base + ["--temperatures", "-1"]) == 2
+    assert main(base + ["--max-tokens", "0"]) == 2
+    assert main(base + ["--num-prompts", "0"]) == 2
     err = capsys.readouterr().err
-    assert err.count("flashtree: error:") == 3 and "Traceback" not in err
+    assert err.count("flashtree: error:") == 6 and "Traceback" not in err
+    assert "temperatures must be >= 0" in err and "max_tokens, num_prompts" in err
     with pytest.raises(SystemExit):  # argparse: not a budget
         main(base + ["--budgets", "8,big"])
     assert "integers or 'auto'" in capsys.readouterr().err

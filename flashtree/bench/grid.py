@@ -62,16 +62,16 @@ class BenchSpec:
             raise FlashtreeError("ddtree needs at least one budget (--budgets 16,64)")
         if any(b != "auto" and not (isinstance(b, int) and 1 <= b <= 1024) for b in self.budgets):
             raise FlashtreeError(f"budgets must be integers in 1..1024 or 'auto', got {self.budgets}")
-
-    @property
-    def fixed_budgets(self) -> list[int]:
-        return sorted({b for b in self.budgets if b != "auto"})
         if any(t < 0 for t in self.temperatures) or not self.temperatures:
             raise FlashtreeError(f"temperatures must be >= 0, got {self.temperatures}")
         if self.max_tokens < 1 or self.num_prompts < 1 or self.warmup < 0 or self.cost_repeats < 1:
             raise FlashtreeError("max_tokens, num_prompts and cost_repeats must be >= 1, warmup >= 0")
         if not self.suites:
             raise FlashtreeError("give at least one suite")
+
+    @property
+    def fixed_budgets(self) -> list[int]:
+        return sorted({b for b in self.budgets if b != "auto"})
 
 
 @dataclass(frozen=True)
