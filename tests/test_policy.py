@@ -670,6 +670,22 @@ def test_scouts_are_fewer_the_further_ar_steps_lead(monkeypatch):
         assert seated[every - 1] and not any(seated[: every - 1]), lead
 
 
+def test_scouts_are_fewer_in_proportion_in_batches_past_scout_rows(monkeypatch):
+    """A batch bigger than SCOUT_ROWS seats scouts in proportion fewer (about as many per round
+    as a batch of SCOUT_ROWS holds): a round parks every row's features if one row is a scout."""
+    from flashtree.engine.policy import SCOUT_EVERY, SCOUT_ROWS
+
+    policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
+    params = SamplingParams(temperature=1.0)
+    monkeypatch.setattr(policy.selector, "lead", lambda *a: 1.0)
+    for rows in (1, SCOUT_ROWS, 2 * SCOUT_ROWS, 16):
+        every = SCOUT_EVERY * max(1, rows // SCOUT_ROWS)
+        policy.scouting.clear()
+        seated = [policy.admit(params, rows) for _ in range(3 * every)]
+        assert sum(seated) == 3, rows
+        assert seated[every - 1] and not any(seated[: every - 1]), rows
+
+
 def test_a_seat_prices_ar_steps_without_the_drafter_context_they_would_park(monkeypatch):
     """A request seated plain parks no drafter context, so Policy.admit weighs AR steps at
     their bare price; the rounds' AR price (ar_price) carries the parking, for speculative rows."""
