@@ -43,7 +43,6 @@ clearer it is), so that steady state costs almost no host time per round.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -477,9 +476,11 @@ class Policy:
         return plan
 
     def _played(self, plan: RoundPlan, R: int, cls: int, arm: int) -> RoundPlan:
-        """The arm's plan for every row, with the selector's prediction (a copy: the table's
-        plans are shared; copy.copy is a tenth of dataclasses.replace's time)."""
-        out = copy.copy(plan)
+        """The arm's plan for every row, with the selector's prediction (a shallow copy: the
+        table's plans are shared). Copied by its __dict__: copy.copy (a tenth of
+        dataclasses.replace's time) still took 29 us a round on the caches a forward leaves."""
+        out = object.__new__(RoundPlan)
+        out.__dict__.update(plan.__dict__)
         out.predicted = [self.selector.predicted(cls, arm)] * R
         out.cls = cls
         return out

@@ -673,11 +673,9 @@ class Selector:
                 elif n > 0:
                     last[min(n, D) - 1] += w
         keep = (1.0 - self.shape_rate) ** rows
-        reached = 0
-        for d in range(D - 1, -1, -1):
-            reached += last[d]
-            s.reach[d] = keep * s.reach[d] + reached
-            s.stops[d] = keep * s.stops[d] + stopped[d]
+        reached = list(itertools.accumulate(reversed(last)))[::-1]  # rows known to reach d
+        s.reach = [keep * x + n for x, n in zip(s.reach, reached)]
+        s.stops = [keep * x + n for x, n in zip(s.stops, stopped)]
         s.chain_rows = keep * s.chain_rows + rows
         s.chain_base = keep * s.chain_base + base * rows
         i = self._slot(CHAIN_ARM)
