@@ -530,3 +530,35 @@ def test_the_exploration_share_settles_as_the_best_arm_holds(monkeypatch):
         arms = _play(Selector(GRID, 15), 1000, acc, acc_chain=6.0, seconds=_seconds(0.01))
         explored.append(sum(a != CHAIN_ARM for a in arms[200:]))
     assert 0 < explored[0] < 0.6 * explored[1]
+
+
+def test_trees_never_timed_here_but_far_behind_do_not_take_exploration_from_near_ones():
+    """An arm never timed at this batch size is priced from the nearest timed arms' bias of the
+    model, which errs by a few percent: its hope is PRICE_HOPE, not that of an unmeasured arm.
+    Here the opening tree measured every tree's acceptance; the trees of 1 to 4 (at most 0.7x
+    the chain's rate) go untimed, and exploration goes to the trees near the chain (the tree of
+    8 at 0.97x, of 15 at 0.94x). Hoped for x 2 (as unmeasured), the trees of 2 and 4 took 3
+    rounds of 300."""
+    sel = Selector(GRID, 15)
+    seconds = _seconds(0.05)
+    acc = [0.9, 1.7, 2.5, 4.57, 5.6, 5.6, 5.7]
+    played: dict[int, int] = {}
+    arms = []
+    for _ in range(300):
+        arm = sel.kept(0, 1)
+        if arm is None:
+            timed = {a: played.get(a, 0) for a in seconds}
+            arm = sel.choose(0, 1, seconds, seconds[AR_ARM], timed | {AR_ARM: 3})
+        played[arm] = played.get(arm, 0) + 1
+        arms.append(arm)
+        if arm == CHAIN_ARM:
+            sel.observe(0, 1, None, np.full(1, 6.0))
+        elif arm >= 0:
+            spine = min(int(sel.grid[arm]), sel.depth)
+            sel.observe(0, 1, np.asarray([acc[: arm + 1]], dtype=float), np.full(1, min(6.0, acc[arm])),
+                        chain=[(min(6.0, spine), 6.0 < spine or spine == sel.depth)])
+        else:
+            sel.idle(0)
+    later = arms[COLD_ROUNDS:]
+    assert sum(a in (0, 1, 2) for a in later) == 0
+    assert later.count(3) >= 3  # the tree of 8, near the chain, is explored (and so timed)
