@@ -12,7 +12,7 @@ import torch
 from flashtree.engine import selector
 from flashtree.engine.runner import path_codes
 from flashtree.engine.selector import (AR_ARM, CHAIN_ARM, COLD_ROUNDS, KEEP_MAX, KEEP_MIN, SETTLE, SETTLE_FLOOR,
-                                       SHAPE_PRIOR, STAY, Selector, by_size, settled)
+                                       SHAPE_PRIOR, STAY, TIMED, Selector, by_size, settled)
 from flashtree.tree import accept_walk, build_chain, build_tree
 from flashtree.tree.markov import build_markov_chain, build_markov_tree
 from flashtree.tree.value import accepted_by_size, spine_mask, spine_run
@@ -75,14 +75,18 @@ def test_one_tree_measures_every_smaller_tree_and_the_chain(markov):
         assert open_ == bool(run[r] == length[r]), r
 
 
-def _play(sel: Selector, rounds: int, acc_tree, acc_chain: float, seconds: dict, rows: int = 1) -> list[int]:
+def _play(sel: Selector, rounds: int, acc_tree, acc_chain: float, seconds: dict, rows: int = 1,
+          timed: bool = False) -> list[int]:
     """Rounds where a tree of column j accepts acc_tree[j] per row and the chain acc_chain; the
-    arm comes as Policy._select takes it (decided ahead, or chosen)."""
+    arm comes as Policy._select takes it (decided ahead, or chosen). timed: each drafting arm's
+    seconds rest on the rounds it was played (AR's on enough), as ArmTimes counts them; else
+    every price is trusted."""
     arms = []
     for _ in range(rounds):
         arm = sel.kept(0, rows)
         if arm is None:
-            arm = sel.choose(0, rows, seconds, seconds[AR_ARM])
+            counts = {a: arms.count(a) for a in seconds} | {AR_ARM: TIMED} if timed else None
+            arm = sel.choose(0, rows, seconds, seconds[AR_ARM], counts)
         arms.append(arm)
         if arm == CHAIN_ARM:
             sel.observe(0, rows, None, np.full(rows, acc_chain))
@@ -539,26 +543,8 @@ def test_trees_never_timed_here_but_far_behind_do_not_take_exploration_from_near
     the chain's rate) go untimed, and exploration goes to the trees near the chain (the tree of
     8 at 0.97x, of 15 at 0.94x). Hoped for x 2 (as unmeasured), the trees of 2 and 4 took 3
     rounds of 300."""
-    sel = Selector(GRID, 15)
-    seconds = _seconds(0.05)
-    acc = [0.9, 1.7, 2.5, 4.57, 5.6, 5.6, 5.7]
-    played: dict[int, int] = {}
-    arms = []
-    for _ in range(300):
-        arm = sel.kept(0, 1)
-        if arm is None:
-            timed = {a: played.get(a, 0) for a in seconds}
-            arm = sel.choose(0, 1, seconds, seconds[AR_ARM], timed | {AR_ARM: 3})
-        played[arm] = played.get(arm, 0) + 1
-        arms.append(arm)
-        if arm == CHAIN_ARM:
-            sel.observe(0, 1, None, np.full(1, 6.0))
-        elif arm >= 0:
-            spine = min(int(sel.grid[arm]), sel.depth)
-            sel.observe(0, 1, np.asarray([acc[: arm + 1]], dtype=float), np.full(1, min(6.0, acc[arm])),
-                        chain=[(min(6.0, spine), 6.0 < spine or spine == sel.depth)])
-        else:
-            sel.idle(0)
+    arms = _play(Selector(GRID, 15), 300, [0.9, 1.7, 2.5, 4.57, 5.6, 5.6, 5.7], acc_chain=6.0,
+                 seconds=_seconds(0.05), timed=True)
     later = arms[COLD_ROUNDS:]
     assert sum(a in (0, 1, 2) for a in later) == 0
     assert later.count(3) >= 3  # the tree of 8, near the chain, is explored (and so timed)

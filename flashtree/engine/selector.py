@@ -548,9 +548,8 @@ class Selector:
         timed) on its price if that is larger. An untimed arm is priced at the nearest timed
         ones' bias of the model, which errs by a few percent, not by half: hoped for as if its
         acceptance were unmeasured (x 2), every tree never timed at a batch size led the
-        runners-up, and on the demo pair at T = 0, c = 4 the trees of 2 to 6 (0.75-0.9x the
-        best's rate) took exploration rounds the tree of 8, within a few percent of the chain,
-        went without."""
+        runners-up, and on the demo pair at T = 0, c = 4 the trees of 2 to 4 (0.6-0.9x the
+        best's rate) took exploration rounds the trees near the chain went without."""
         hope = 1.0 + 1.0 / math.sqrt(1.0 + self._seen(s, arm))
         if timed < TIMED:
             hope = max(hope, 1.0 + PRICE_HOPE / math.sqrt(1.0 + timed))
