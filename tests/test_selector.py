@@ -12,7 +12,7 @@ import torch
 from flashtree.engine import selector
 from flashtree.engine.runner import path_codes
 from flashtree.engine.selector import (AR_ARM, CHAIN_ARM, COLD_ROUNDS, KEEP_MAX, KEEP_MIN, SETTLE, SETTLE_FLOOR,
-                                       SHAPE_PRIOR, STAY, TIMED, Selector, by_size, settled)
+                                       SHAPE_PRIOR, STAY, Selector, by_size, settled)
 from flashtree.tree import accept_walk, build_chain, build_tree
 from flashtree.tree.markov import build_markov_chain, build_markov_tree
 from flashtree.tree.value import accepted_by_size, spine_mask, spine_run
@@ -75,18 +75,14 @@ def test_one_tree_measures_every_smaller_tree_and_the_chain(markov):
         assert open_ == bool(run[r] == length[r]), r
 
 
-def _play(sel: Selector, rounds: int, acc_tree, acc_chain: float, seconds: dict, rows: int = 1,
-          timed: bool = False) -> list[int]:
+def _play(sel: Selector, rounds: int, acc_tree, acc_chain: float, seconds: dict, rows: int = 1) -> list[int]:
     """Rounds where a tree of column j accepts acc_tree[j] per row and the chain acc_chain; the
-    arm comes as Policy._select takes it (decided ahead, or chosen). timed: each drafting arm's
-    seconds rest on the rounds it was played (AR's on enough), as ArmTimes counts them; else
-    every price is trusted."""
+    arm comes as Policy._select takes it (decided ahead, or chosen)."""
     arms = []
     for _ in range(rounds):
         arm = sel.kept(0, rows)
         if arm is None:
-            counts = {a: arms.count(a) for a in seconds} | {AR_ARM: TIMED} if timed else None
-            arm = sel.choose(0, rows, seconds, seconds[AR_ARM], counts)
+            arm = sel.choose(0, rows, seconds, seconds[AR_ARM])
         arms.append(arm)
         if arm == CHAIN_ARM:
             sel.observe(0, rows, None, np.full(rows, acc_chain))
@@ -534,17 +530,3 @@ def test_the_exploration_share_settles_as_the_best_arm_holds(monkeypatch):
         arms = _play(Selector(GRID, 15), 1000, acc, acc_chain=6.0, seconds=_seconds(0.01))
         explored.append(sum(a != CHAIN_ARM for a in arms[200:]))
     assert 0 < explored[0] < 0.6 * explored[1]
-
-
-def test_trees_never_timed_here_but_far_behind_do_not_take_exploration_from_near_ones():
-    """An arm never timed at this batch size is priced from the nearest timed arms' bias of the
-    model, which errs by a few percent: its hope is PRICE_HOPE, not that of an unmeasured arm.
-    Here the opening tree measured every tree's acceptance; the trees of 1 to 4 (at most 0.7x
-    the chain's rate) go untimed, and exploration goes to the trees near the chain (the tree of
-    8 at 0.97x, of 15 at 0.94x). Hoped for x 2 (as unmeasured), the trees of 2 and 4 took 3
-    rounds of 300."""
-    arms = _play(Selector(GRID, 15), 300, [0.9, 1.7, 2.5, 4.57, 5.6, 5.6, 5.7], acc_chain=6.0,
-                 seconds=_seconds(0.05), timed=True)
-    later = arms[COLD_ROUNDS:]
-    assert sum(a in (0, 1, 2) for a in later) == 0
-    assert later.count(3) >= 3  # the tree of 8, near the chain, is explored (and so timed)

@@ -68,7 +68,6 @@ SHAPE_PRIOR = 0.5  # P: base tokens added to both sides of a shape, so it stays 
 # the rest of the run (2 runs of 7 on trees, 0.90x the chain-led runs; 0 of 6 with 256).
 OWN_PRIOR = 256.0
 KNOWN = 3  # rounds of evidence before an arm's estimate is trusted
-PRICE_HOPE = 0.25  # optimism on the price of an arm never timed at a batch size (Selector._hope)
 CHAIN_THIN = 64  # a hopeful chain measured in fewer rows than this is explored first
 COLD_ROUNDS = 3  # drafting rounds a new class opens with (the exploration tree)
 COLD_COST = 2.0  # the opening tree may cost this many times the cheapest drafting round
@@ -366,7 +365,8 @@ class Selector:
             s.settle = (best, rows, s.clock, known[best])
         # Optimism where an arm's acceptance or its seconds at this batch size rest on few rounds.
         timed = timed or {}
-        hope = {a: rates[a] * self._hope(s, a, timed.get(a, TIMED)) for a in drafting}
+        hope = {a: rates[a] * (1.0 + 1.0 / math.sqrt(1.0 + self._evidence(s, a, timed.get(a, TIMED))))
+                for a in drafting}
         share = self.explore_share * settled(s.clock - s.settle[2])
         # From AR steps the probe is the best drafting arm, hopeful only where its acceptance rests
         # on few rounds: its seconds are new at every batch size a draining batch passes through,
@@ -542,18 +542,11 @@ class Selector:
         self.idle(cls)
         return True
 
-    def _hope(self, s: ClassStats, arm: int, timed: int) -> float:
-        """An arm's optimism factor: 1 + 1 / sqrt(1 + rounds) on its acceptance measurements, or,
-        while it has fewer than TIMED timed rounds at this batch size, 1 + PRICE_HOPE / sqrt(1 +
-        timed) on its price if that is larger. An untimed arm is priced at the nearest timed
-        ones' bias of the model, which errs by a few percent, not by half: hoped for as if its
-        acceptance were unmeasured (x 2), every tree never timed at a batch size led the
-        runners-up, and on the demo pair at T = 0, c = 4 the trees of 2 to 4 (0.6-0.9x the
-        best's rate) took exploration rounds the trees near the chain went without."""
-        hope = 1.0 + 1.0 / math.sqrt(1.0 + self._seen(s, arm))
-        if timed < TIMED:
-            hope = max(hope, 1.0 + PRICE_HOPE / math.sqrt(1.0 + timed))
-        return hope
+    def _evidence(self, s: ClassStats, arm: int, timed: int) -> float:
+        """Rounds behind an arm's rate: its acceptance measurements, or its timed rounds at this
+        batch size while those are fewer than TIMED."""
+        seen = self._seen(s, arm)
+        return seen if timed >= TIMED else min(seen, timed)
 
     def _slot(self, arm: int) -> int:
         """The arm's entry in a ClassStats list: tree columns first, then the chain."""
