@@ -515,6 +515,25 @@ def test_a_clear_lead_is_decided_further_ahead_than_a_near_tie():
     assert longest == KEEP_MIN and sum(kept) > 0.3 * 200
 
 
+def test_the_exploration_share_stays_settled_through_a_draining_batch():
+    """A batch of 4 drains to 3 for two rounds after every 40 (a request ends before the next is
+    seated), the chain best at both sizes: back at 4 rows the share is as settled as the rounds
+    the chain has held there say, and the runners-up take few of the later rounds (3 of 400
+    here; with one record for all sizes, each change of size started it over: 13, and at T = 0,
+    c = 4 on the demo pair the share never settled)."""
+    sel = Selector(GRID, 15)
+    acc = [0.9, 1.7, 2.5, 3.0, 3.2, 3.2, 3.3]
+    seconds = _seconds(0.01)
+    late = 0
+    for cycle in range(20):
+        arms = _play(sel, 40, acc, acc_chain=6.0, seconds=seconds, rows=4)
+        late += sum(a != CHAIN_ARM for a in arms) if cycle >= 10 else 0
+        _play(sel, 2, acc, acc_chain=6.0, seconds=seconds, rows=3)
+    assert late <= 6
+    s = sel.stats[0]
+    assert settled(s.clock - s.settle[4][1]) < 0.5
+
+
 def test_the_exploration_share_settles_as_the_best_arm_holds(monkeypatch):
     """Full while the best arm is new, then as sqrt(SETTLE / rounds held), never below the floor;
     so where the chain leads for good, the runners-up take far fewer of the later rounds than

@@ -135,9 +135,13 @@ class ClassStats:
     # A drafting arm decided ahead: (rows, rounds left, arm, credit per round, its estimate then).
     keep: tuple = (0, 0, AR_ARM, 0.0, 0.0)
     best: int = AR_ARM  # the drafting arm last chosen as the best (choose: it stays within STAY)
-    # The best arm (AR steps too) and batch size of the choice, the round since when they have
-    # been, and the arm's rate then: the exploration share settles while they hold (settled).
-    settle: tuple = (None, 0, 0, 0.0)
+    # Per batch size: the best arm there (AR steps too), the round since when it has been, and
+    # its rate then: the exploration share settles while they hold (settled). Per size, so a
+    # batch that drains and refills comes back to a settled share: one record for every size
+    # started over at each change of size, and at T = 0, c = 4 on the demo pair (a batch of 4
+    # draining to 3, 2, 1 at the end of every stream of 16 requests) it never settled (the
+    # factor averaged 1.00 over a run of 3 passes, 14 restarts of 15 from a change of size).
+    settle: dict = field(default_factory=dict)
     probes: int = 0  # probes from AR steps since a drafting arm was last the best
     ar_at: float = -math.inf  # the class's round when AR steps were last played to time them
     played_at: list[float] = field(default_factory=list)
@@ -360,14 +364,14 @@ class Selector:
             if s.best in known and s.best != AR_ARM and known[s.best] * self.stay >= known[best]:
                 best = s.best
             s.best = best
-        a, r, since, ref = s.settle
-        if (a, r) != (best, rows) or not ref / SETTLE_MOVE <= known[best] <= ref * SETTLE_MOVE:
-            s.settle = (best, rows, s.clock, known[best])
+        a, since, ref = s.settle.get(rows, (None, 0, 0.0))
+        if a != best or not ref / SETTLE_MOVE <= known[best] <= ref * SETTLE_MOVE:
+            s.settle[rows] = (best, s.clock, known[best])
         # Optimism where an arm's acceptance or its seconds at this batch size rest on few rounds.
         timed = timed or {}
         hope = {a: rates[a] * (1.0 + 1.0 / math.sqrt(1.0 + self._evidence(s, a, timed.get(a, TIMED))))
                 for a in drafting}
-        share = self.explore_share * settled(s.clock - s.settle[2])
+        share = self.explore_share * settled(s.clock - s.settle[rows][1])
         # From AR steps the probe is the best drafting arm, hopeful only where its acceptance rests
         # on few rounds: its seconds are new at every batch size a draining batch passes through,
         # and counting that would make every such round a free probe.
