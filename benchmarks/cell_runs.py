@@ -28,17 +28,12 @@ def one_run(t: float, c: int, labels: list[str], passes: int, num_prompts: int) 
     """The cell once, in this process; prints one LINE."""
     import torch
 
-    from flashtree.bench.policy_grid import (GridCell, PolicyGridSpec, Stream, cell_engine, cell_streams,
-                                             grid_prompts, run_interleaved)
+    from flashtree.bench.policy_grid import PolicyGridSpec, cell_engine, grid_prompts, run_cell
 
     torch.set_num_threads(1)
     spec = PolicyGridSpec(temperatures=[t], concurrency=[c], num_prompts=num_prompts, passes=passes)
     base, ids, need = grid_prompts(spec)
-    engines = {x: cell_engine(spec, x, c, need, base) for x in labels}
-    cells = {x: GridCell(t, c, x) for x in labels}
-    for w, prompts, params, _ in cell_streams(spec, ids, t, c):
-        run_interleaved([Stream(engines[x], prompts, params, GridCell(t, c, x) if w < 0 else cells[x], c, keep=False)
-                         for x in labels], seed=0 if w < 0 else spec.seed + 1 + w)
+    cells = run_cell(spec, ids, t, c, {x: cell_engine(spec, x, c, need, base) for x in labels})
     top = max(cells[x].tokens_per_s for x in labels if x != "auto")
     modes = Counter(cells["auto"].modes)
     total = max(1, sum(modes.values()))

@@ -19,8 +19,7 @@ import argparse
 
 import torch
 
-from flashtree.bench.policy_grid import (GridCell, PolicyGridSpec, Stream, cell_engine, cell_streams, grid_prompts,
-                                         run_interleaved)
+from flashtree.bench.policy_grid import PolicyGridSpec, cell_engine, grid_prompts, run_cell
 from flashtree.engine.selector import CHAIN_ARM
 
 
@@ -82,9 +81,7 @@ def main() -> None:
     records: dict[str, list] = {name: [] for name in arms}
     for name, arm in arms.items():
         held(engines[name], arm, records[name])
-    for w, prompts, params, _ in cell_streams(spec, ids, 0.0, c):
-        run_interleaved([Stream(engines[x], prompts, params, GridCell(0.0, c, x), c, keep=False) for x in arms],
-                        seed=spec.seed + 2 + w)
+    run_cell(spec, ids, 0.0, c, {name: engines[name] for name in arms})
     depth = engines["chain"].runner.policy.depth
     print(f"T = 0, c = {c}: drafted tokens walked a row (uncut) and the chain's estimate from each arm's rounds")
     for name, rows in records.items():

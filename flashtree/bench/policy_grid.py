@@ -192,6 +192,17 @@ def run_stream(engine: LLMEngine, prompts: list[list[int]], params: list[Samplin
     run_interleaved([Stream(engine, prompts, params, cell, concurrency, keep)])
 
 
+def run_cell(spec: PolicyGridSpec, ids: list[list[int]], t: float, c: int,
+             engines: dict[str, LLMEngine]) -> dict[str, GridCell]:
+    """One (t, c) cell's streams on the given engines (label -> engine), interleaved as the grid
+    runs them, the warmup unrecorded; each label's measured cell (benchmarks that study one cell)."""
+    cells = {label: GridCell(t, c, label) for label in engines}
+    for w, prompts, params, _ in cell_streams(spec, ids, t, c):
+        run_interleaved([Stream(e, prompts, params, GridCell(t, c, label) if w < 0 else cells[label], c, keep=False)
+                         for label, e in engines.items()], seed=0 if w < 0 else spec.seed + 1 + w)
+    return cells
+
+
 def grid_prompts(spec: PolicyGridSpec) -> tuple[LLMEngine, list[list[int]], int]:
     """The engine whose weights every cell shares, the prompts' token ids (the suites
     alternating, each cut to leave room for max_tokens), and the model length a cell needs."""

@@ -141,7 +141,7 @@ class ClassStats:
     # started over at each change of size, and at T = 0, c = 4 on the demo pair (a batch of 4
     # draining to 3, 2, 1 at the end of every stream of 16 requests) it never settled (the
     # factor averaged 1.00 over a run of 3 passes, 14 restarts of 15 from a change of size).
-    settle: dict = field(default_factory=dict)
+    settle: dict[int, tuple[int, int, float]] = field(default_factory=dict)
     probes: int = 0  # probes from AR steps since a drafting arm was last the best
     ar_at: float = -math.inf  # the class's round when AR steps were last played to time them
     played_at: list[float] = field(default_factory=list)
@@ -366,12 +366,13 @@ class Selector:
             s.best = best
         a, since, ref = s.settle.get(rows, (None, 0, 0.0))
         if a != best or not ref / SETTLE_MOVE <= known[best] <= ref * SETTLE_MOVE:
-            s.settle[rows] = (best, s.clock, known[best])
+            since = s.clock
+            s.settle[rows] = (best, since, known[best])
         # Optimism where an arm's acceptance or its seconds at this batch size rest on few rounds.
         timed = timed or {}
         hope = {a: rates[a] * (1.0 + 1.0 / math.sqrt(1.0 + self._evidence(s, a, timed.get(a, TIMED))))
                 for a in drafting}
-        share = self.explore_share * settled(s.clock - s.settle[rows][1])
+        share = self.explore_share * settled(s.clock - since)
         # From AR steps the probe is the best drafting arm, hopeful only where its acceptance rests
         # on few rounds: its seconds are new at every batch size a draining batch passes through,
         # and counting that would make every such round a free probe.
