@@ -1,0 +1,147 @@
+"""Tree attention around vLLM's CPU attention backend.
+
+vLLM's CPU kernel knows causal and bidirectional attention only. While a tree verifies, its rows
+are attended here instead: the committed keys read from the paged cache, the tree's own fresh
+keys under the ancestor mask, in one PyTorch SDPA call. Rows of other requests in the same batch
+still go through vLLM's kernel. Every other forward (prefill steps, chains, the drafter) is
+vLLM's, untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from vllm import _custom_ops as ops
+from vllm.config import get_layers_from_vllm_config
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
+
+from flashtree.integrations.vllm import settings
+from flashtree.integrations.vllm.accept import Walked, compact_kv
+from flashtree.integrations.vllm.patching import VllmPatch
+from flashtree.integrations.vllm.verify import Captured, VerifyPlan
+
+# Cache layouts this module reads: per block and head, keys stored transposed [dim, block] and
+# values [block, dim]. AMX packs bf16 blocks differently, so DDTree runs use "vec" there.
+READABLE_ISAS = ("vec", "vec16")
+
+_verifying: VerifyPlan | None = None
+
+
+@contextlib.contextmanager
+def verifying(plan: VerifyPlan) -> Iterator[None]:
+    """Route the trees' rows of the target forward through tree attention."""
+    global _verifying
+    _verifying = plan
+    try:
+        yield
+    finally:
+        _verifying = None
+
+
+def paged_kv(kv_cache: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys and values of whole blocks [R, nblk] of a CPU_ATTN cache [num_blocks, kv_heads, block, 2 * dim],
+    as [R, kv_heads, nblk * block, dim] each."""
+    nb, heads, block, two_dim = kv_cache.shape
+    dim = two_dim // 2
+    halves = kv_cache.view(nb, heads, 2, block * dim)
+    keys = halves[:, :, 0].unflatten(-1, (dim, block))[blocks]  # [R, nblk, heads, dim, block]
+    values = halves[:, :, 1].unflatten(-1, (block, dim))[blocks]  # [R, nblk, heads, block, dim]
+    R, nblk = blocks.shape
+    keys = keys.permute(0, 2, 1, 4, 3).reshape(R, heads, nblk * block, dim)
+    values = values.permute(0, 2, 1, 3, 4).reshape(R, heads, nblk * block, dim)
+    return keys, values
+
+
+@functools.lru_cache(maxsize=None)
+def check_layout(dtype: torch.dtype, block: int, dim: int, isa: str) -> None:
+    """Write K/V through vLLM's own cache op and read them back with paged_kv; refuse to start when the
+    layout is not the one this module reads."""
+    gen = torch.Generator().manual_seed(0)
+    heads, blocks = 2, 2
+    cache = torch.zeros(blocks, heads, block, 2 * dim, dtype=dtype)
+    key_cache, value_cache = cache.view(blocks, heads, 2 * block, dim).chunk(2, dim=2)
+    n = blocks * block
+    key = torch.randn(n, heads, dim, generator=gen).to(dtype)
+    value = torch.randn(n, heads, dim, generator=gen).to(dtype)
+    slots = torch.randperm(n, generator=gen)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    keys, values = paged_kv(cache, torch.arange(blocks)[None])
+    order = torch.empty_like(slots)
+    order[slots] = torch.arange(n)
+    if not (torch.equal(keys[0].transpose(0, 1), key[order]) and torch.equal(values[0].transpose(0, 1), value[order])):
+        raise settings.DDTreeConfigError(
+            f"DDTree cannot read vLLM's CPU KV cache layout for isa={isa!r}, {dtype}, block {block}, "
+            f"head size {dim}; run in float32 or bfloat16 on x86")
+
+
+def tree_attention(impl: CPUAttentionBackendImpl, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
+                   block_table: Tensor, plan: VerifyPlan, output: Tensor) -> None:
+    """Attention of every tree row: all of its request's committed keys, then its ancestors and itself."""
+    Rt, N = plan.rows.shape
+    heads, kv_heads, dim = impl.num_heads, impl.num_kv_heads, impl.head_size
+    rows = plan.rows.flatten()
+    q = query[rows].view(Rt, N, heads, dim).transpose(1, 2)
+    k_new = key[rows].view(Rt, N, kv_heads, dim).transpose(1, 2)
+    v_new = value[rows].view(Rt, N, kv_heads, dim).transpose(1, 2)
+    block = kv_cache.shape[2]
+    nblk = -(-int(plan.prefix.max()) // block)
+    k_old, v_old = paged_kv(kv_cache, block_table[plan.req_index, :nblk].long())
+    keys = torch.cat([k_old, k_new.to(k_old.dtype)], 2)
+    values = torch.cat([v_old, v_new.to(v_old.dtype)], 2)
+    out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=plan.attention_mask(nblk * block),
+                                         scale=impl.scale, enable_gqa=heads != kv_heads)
+    out = out.transpose(1, 2)[plan.valid]
+    output.view(-1, heads, dim)[plan.rows[plan.valid]] = out.to(output.dtype)
+
+
+def write_kv(cap: Captured, key: Tensor, value: Tensor, slots: Tensor) -> None:
+    """The backend's own cache write, so the cache keeps the layout its kernel expects."""
+    CPUAttentionBackendImplPatch.original(cap.impl, "do_kv_cache_update")(cap.layer, key, value, cap.kv_cache, slots)
+
+
+def compact(walked: Walked) -> None:
+    compact_kv(walked, write_kv)
+
+
+class CPUAttentionBackendImplPatch(VllmPatch, target=CPUAttentionBackendImpl):
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        CPUAttentionBackendImplPatch.original(self, "do_kv_cache_update")(layer, key, value, kv_cache, slot_mapping)
+        plan = _verifying
+        if plan is not None and self.attn_type == AttentionType.DECODER:
+            rows = plan.rows.flatten()
+            plan.captured.append(Captured(self, layer, kv_cache, key[rows], value[rows]))
+            plan.slot_mapping = slot_mapping
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        plan = _verifying
+        original = CPUAttentionBackendImplPatch.original(self, "forward")
+        if plan is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
+            return original(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                            output_block_scale)
+        if plan.num_rows < attn_metadata.num_actual_tokens:  # other requests' rows: vLLM's kernel
+            original(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+        tree_attention(self, query, key, value, kv_cache, attn_metadata.block_table, plan, output)
+        return output
+
+
+class CPUAttentionMetadataBuilderPatch(VllmPatch, target=CPUAttentionMetadataBuilder):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        CPUAttentionMetadataBuilderPatch.original(self, "__init__")(kv_cache_spec, layer_names, vllm_config, device)
+        if not settings.requested(vllm_config.additional_config):
+            return
+        if self.isa not in READABLE_ISAS:
+            self.isa = "vec"
+            self._set_isa_to_layers(layer_names)
+        for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
+            impl = layer.impl
+            if impl.alibi_slopes is not None or impl.logits_soft_cap or impl.sinks is not None:
+                raise settings.DDTreeConfigError(f"DDTree's tree attention has no ALiBi, soft-capping or sinks, "
+                                                 f"which layer {name} uses")
+        check_layout(self.dtype, self.block_size, self.head_dim, self.isa)

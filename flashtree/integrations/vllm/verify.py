@@ -1,0 +1,114 @@
+"""One verify step's trees: which rows of vLLM's flattened batch hold them, and how those rows attend.
+
+A request's tree enters the batch as its draft list, one row per node at vLLM's usual slots
+(prefix + node index). The plan moves each node to position prefix + depth and gives the attention
+layers the ancestor mask; after the walk it says which K/V rows move to which slots.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from flashtree.sampling import SamplingParams
+from flashtree.tree import TreeSpec, ancestor_mask
+from flashtree.integrations.vllm.trees import TreeBook
+
+
+@dataclass
+class Captured:
+    """The fresh K/V one attention layer wrote for the tree rows ([Rt * N, heads, dim], node-major)."""
+
+    impl: object
+    layer: object
+    kv_cache: Tensor
+    key: Tensor
+    value: Tensor
+
+
+@dataclass
+class VerifyPlan:
+    req_ids: list[str]
+    req_index: Tensor  # [Rt] the trees' rows in vLLM's request batch
+    start: Tensor  # [Rt] each tree's first token row (its root) in the flattened batch
+    size: Tensor  # [Rt] nodes per tree, root included
+    prefix: Tensor  # [Rt] committed tokens before the root, i.e. the root's position
+    spec: TreeSpec  # [Rt, N], padded as flashtree pads
+    params: list[SamplingParams]
+    seeds: list[int]
+    rows: Tensor  # [Rt, N] token row of each node; padding repeats the tree's last row
+    valid: Tensor  # [Rt, N] real nodes
+    mask: Tensor  # [Rt, N, N] node i sees node j (ancestor or itself)
+    captured: list[Captured] = field(default_factory=list)
+    slot_mapping: Tensor | None = None
+    _attn_masks: dict[int, Tensor] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.size.sum())
+
+    def positions(self) -> tuple[Tensor, Tensor]:
+        """(token rows, positions) of every real node: its position is prefix + depth."""
+        pos = self.prefix[:, None] + self.spec.depths
+        return self.rows[self.valid], pos[self.valid]
+
+    def chain_positions(self) -> tuple[Tensor, Tensor]:
+        """(token rows, positions) as vLLM assigned them: prefix + node index."""
+        pos = self.prefix[:, None] + torch.arange(self.rows.shape[1])
+        return self.rows[self.valid], pos[self.valid]
+
+    def attention_mask(self, cached: int) -> Tensor:
+        """[Rt, 1, N, cached + N]: every committed key (the first `prefix` of `cached` gathered ones),
+        then the tree's ancestors."""
+        if cached not in self._attn_masks:
+            Rt, N = self.rows.shape
+            seen = (torch.arange(cached) < self.prefix[:, None])[:, None, :].expand(Rt, N, cached)
+            self._attn_masks[cached] = torch.cat([seen, self.mask], -1)[:, None]
+        return self._attn_masks[cached]
+
+
+def plan_verify(book: TreeBook, scheduled: dict[str, list[int]], req_id_to_index: dict[str, int],
+                query_start: np.ndarray, num_computed: np.ndarray, input_ids: Tensor, depth: int) -> VerifyPlan | None:
+    """The plan for the requests whose scheduled drafts are (a prefix of) the tree they drafted.
+
+    A request whose drafts differ from its tree (none was drafted, or the scheduler dropped it)
+    verifies as vLLM's chain. Trees cut short by the scheduler stay trees: their nodes come in
+    parent-before-child order.
+    """
+    trees, params = book.take()
+    chosen = []
+    for req_id, drafted in scheduled.items():
+        tree = trees.get(req_id)
+        n = len(drafted)
+        if tree is None or n == 0 or drafted != tree.tokens[:n]:
+            continue
+        i = req_id_to_index[req_id]
+        start = int(query_start[i])
+        if int(query_start[i + 1]) - start != n + 1:
+            continue
+        chosen.append((i, start, n + 1, req_id))
+    if not chosen:
+        return None
+    chosen.sort()
+    Rt, N = len(chosen), max(size for _, _, size, _ in chosen)
+    tokens = np.full((Rt, N), -1, dtype=np.int64)
+    parents = np.zeros((Rt, N), dtype=np.int64)
+    depths = np.ones((Rt, N), dtype=np.int64)
+    for j, (_, start, size, req_id) in enumerate(chosen):
+        tree = trees[req_id]
+        tokens[j, 0] = int(input_ids[start])
+        tokens[j, 1:size] = tree.tokens[:size - 1]
+        parents[j, :size] = tree.parents[:size]
+        depths[j, :size] = tree.depths[:size]
+    req_index, start, size = (torch.tensor([c[k] for c in chosen]) for k in range(3))
+    spec = TreeSpec(tokens=torch.from_numpy(tokens), parents=torch.from_numpy(parents),
+                    depths=torch.from_numpy(depths), sizes=size, max_depth=depth)
+    node = torch.arange(N)
+    return VerifyPlan(
+        req_ids=[c[3] for c in chosen], req_index=req_index, start=start, size=size,
+        prefix=torch.from_numpy(num_computed[req_index.numpy()].astype(np.int64)), spec=spec,
+        params=[params[c[3]] for c in chosen], seeds=[book.seed(c[3], params[c[3]]) for c in chosen],
+        rows=start[:, None] + torch.minimum(node, size[:, None] - 1), valid=node < size[:, None],
+        mask=ancestor_mask(spec))
