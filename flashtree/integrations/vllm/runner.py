@@ -17,10 +17,9 @@ import numpy as np
 import torch
 from torch import Tensor
 from vllm.v1.outputs import SamplerOutput
-from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from flashtree.integrations.vllm import attention, settings
+from flashtree.integrations.vllm import attention, drafter, settings
 from flashtree.integrations.vllm.accept import Walked, drafter_order, merge_logprobs, output_rows, walk
 from flashtree.integrations.vllm.chain import chain_part, chain_sampling_metadata
 from flashtree.integrations.vllm.patching import VllmPatch
@@ -65,6 +64,11 @@ class CPUModelRunnerPatch(VllmPatch, target=CPUModelRunner):
         self._flashtree_ddtree = None if chosen is None else DDTreeRunner(chosen, self.model_config.logprobs_mode)
         if chosen is not None:
             self.drafter._flashtree_ddtree = self._flashtree_ddtree
+
+    def load_model(self, *args, **kwargs) -> None:
+        CPUModelRunnerPatch.original(self, "load_model")(*args, **kwargs)
+        if self._flashtree_ddtree is not None:
+            drafter.exact_context_keys(self.drafter.model)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         result = CPUModelRunnerPatch.original(self, "_prepare_inputs")(scheduler_output, num_scheduled_tokens)
@@ -137,18 +141,8 @@ class CPUModelRunnerPatch(VllmPatch, target=CPUModelRunner):
         return ddtree.draft(self, chains, sampled_token_ids, logits)
 
 
-class DFlashProposerPatch(VllmPatch, target=DFlashProposer):
-    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
-        ddtree = getattr(self, "_flashtree_ddtree", None)
-        if ddtree is None:
-            return DFlashProposerPatch.original(self, "_sample_draft_tokens")(hidden_states, sampling_metadata)
-        logits = self.model.compute_logits(hidden_states)
-        ddtree.draft_logits = logits
-        return logits.argmax(dim=-1), None
-
-
-PATCHES = (CPUModelRunnerPatch, DFlashProposerPatch, attention.CPUAttentionBackendImplPatch,
-           attention.CPUAttentionMetadataBuilderPatch)
+PATCHES = (CPUModelRunnerPatch, drafter.DFlashProposerPatch, drafter.DFlashQwen3ModelPatch,
+           attention.CPUAttentionBackendImplPatch, attention.CPUAttentionMetadataBuilderPatch)
 
 
 def apply_patches() -> None:
