@@ -7,7 +7,10 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+from vllm.v1.sample import rejection_sampler
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+from flashtree.integrations.vllm.patching import replace_function
 
 
 def _starts(lengths: np.ndarray) -> np.ndarray:
@@ -55,3 +58,20 @@ def chain_sampling_metadata(sampling_metadata, tree_index: np.ndarray):
         return sampling_metadata
     trees = set(tree_index.tolist())
     return replace(sampling_metadata, spec_token_ids=[[] if i in trees else s for i, s in enumerate(spec)])
+
+
+def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: int = 0,
+                           replace_to: int = 0) -> torch.Tensor:
+    """Each request's value repeated over its draft tokens (replace_from swapped for replace_to).
+
+    Stands in for vLLM 0.32's version, whose CPU kernel writes into an int64 copy of its output
+    whenever the values are not int64 (temperatures, top-p, int32 top-k), so the drafts of a
+    sampled chain were judged under uninitialised parameters.
+    """
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    out = x.repeat_interleave(counts, output_size=num_tokens)
+    return out.masked_fill(out == replace_from, replace_to)
+
+
+def fix_chain_sampling() -> None:
+    replace_function(rejection_sampler, "expand_batch_to_tokens", expand_batch_to_tokens)

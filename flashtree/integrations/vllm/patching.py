@@ -44,3 +44,12 @@ class VllmPatch:
     @classmethod
     def is_applied(cls) -> bool:
         return cls._applied
+
+
+def replace_function(module: Any, name: str, function: Any) -> None:
+    """Point `module.name` at `function`, once; the replaced function stays reachable as function.__wrapped__."""
+    current = getattr(module, name)
+    if current is function:
+        return
+    function.__wrapped__ = current
+    setattr(module, name, function)

@@ -21,7 +21,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from flashtree.integrations.vllm import attention, drafter, settings
 from flashtree.integrations.vllm.accept import Walked, drafter_order, merge_logprobs, output_rows, walk
-from flashtree.integrations.vllm.chain import chain_part, chain_sampling_metadata
+from flashtree.integrations.vllm.chain import chain_part, chain_sampling_metadata, fix_chain_sampling
 from flashtree.integrations.vllm.patching import VllmPatch
 from flashtree.integrations.vllm.trees import TreeBook, tree_params
 from flashtree.integrations.vllm.verify import VerifyPlan, plan_verify
@@ -95,9 +95,13 @@ class CPUModelRunnerPatch(VllmPatch, target=CPUModelRunner):
     def _sample(self, logits, spec_decode_metadata):
         ddtree = self._flashtree_ddtree
         plan = None if ddtree is None else ddtree.plan
-        if plan is None or spec_decode_metadata is None:
+        if ddtree is None or spec_decode_metadata is None:
             return CPUModelRunnerPatch.original(self, "_sample")(logits, spec_decode_metadata)
         ddtree.plan = None
+        self.input_batch.update_async_output_token_ids()
+        sampling = self.input_batch.sampling_metadata
+        if plan is None:
+            return chain_sample(self, logits, spec_decode_metadata, sampling)
         trees = plan.req_index.numpy()
         drafts = np.asarray(spec_decode_metadata.num_draft_tokens)
         logits_start = torch.from_numpy((np.cumsum(drafts + 1) - drafts - 1)[trees])
@@ -105,9 +109,8 @@ class CPUModelRunnerPatch(VllmPatch, target=CPUModelRunner):
         walked = walk(plan, logits[(logits_start[:, None] + node).to(logits.device)])
 
         part, rows = chain_part(spec_decode_metadata, trees)
-        self.input_batch.update_async_output_token_ids()
-        out = self.rejection_sampler(part, None, logits[torch.from_numpy(rows).to(logits.device)],
-                                     chain_sampling_metadata(self.input_batch.sampling_metadata, trees))
+        out = chain_sample(self, logits[torch.from_numpy(rows).to(logits.device)], part,
+                           chain_sampling_metadata(sampling, trees))
         attention.compact(walked)
         ddtree.walked = walked
         logprobs = out.logprobs_tensors
@@ -141,6 +144,15 @@ class CPUModelRunnerPatch(VllmPatch, target=CPUModelRunner):
         return ddtree.draft(self, chains, sampled_token_ids, logits)
 
 
+def chain_sample(runner: CPUModelRunner, logits: Tensor, metadata, sampling) -> SamplerOutput:
+    """vLLM's own sampling of the requests that verify chains. Without any draft in the batch it is one
+    plain sample per request, as vLLM samples without speculation: vLLM 0.32's rejection sampler
+    fails on a top-k request when no request has drafts (no rows to apply the top-k to)."""
+    if metadata.max_spec_len == 0:
+        return runner.sampler(logits=logits, sampling_metadata=sampling)
+    return runner.rejection_sampler(metadata, None, logits, sampling)
+
+
 PATCHES = (CPUModelRunnerPatch, drafter.DFlashProposerPatch, drafter.DFlashQwen3ModelPatch,
            attention.CPUAttentionBackendImplPatch, attention.CPUAttentionMetadataBuilderPatch)
 
@@ -148,3 +160,4 @@ PATCHES = (CPUModelRunnerPatch, drafter.DFlashProposerPatch, drafter.DFlashQwen3
 def apply_patches() -> None:
     for patch in PATCHES:
         patch.apply()
+    fix_chain_sampling()
