@@ -2,7 +2,7 @@
 
 A run without additional_config['ddtree'] gets vLLM's config back untouched. A DDTree run is
 checked (settings.validate) and handed to flashtree's worker, which applies the other patches
-in the processes that run the model.
+in the processes that run the model, and to flashtree's scheduler (scheduler.py).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ class EngineArgsPatch(VllmPatch, target=EngineArgs):
         if settings.requested(config.additional_config):
             chosen = settings.validate(config)
             config.parallel_config.worker_cls = settings.DDTREE_WORKER
+            config.scheduler_config.scheduler_cls = settings.DDTREE_SCHEDULER
             logger.info("flashtree DDTree: exact top-%d draft trees from the DFlash drafter (depth %d)",
                         chosen.budget, chosen.depth)
         return config

@@ -16,6 +16,7 @@ DEFAULT_BUDGET = 32
 EXAMPLE = '{"ddtree": {"budget": 64}}'
 CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
 DDTREE_WORKER = "flashtree.integrations.vllm.worker.DDTreeCPUWorker"
+DDTREE_SCHEDULER = "flashtree.integrations.vllm.scheduler.DDTreeScheduler"
 
 
 class DDTreeConfigError(FlashtreeError):
@@ -78,6 +79,8 @@ def validate(vllm_config: Any) -> DDTreeSettings:
         raise DDTreeConfigError("DDTree in vLLM runs with tensor, pipeline and data parallel sizes of 1 for now")
     if par.worker_cls != CPU_WORKER:
         raise DDTreeConfigError(f"DDTree replaces vLLM's CPU worker; it cannot run with worker_cls={par.worker_cls!r}")
+    if vllm_config.scheduler_config.scheduler_cls is not None:
+        raise DDTreeConfigError("DDTree brings its own scheduler class; drop scheduler_cls")
     if vllm_config.scheduler_config.async_scheduling:
         raise DDTreeConfigError("DDTree needs synchronous scheduling; drop --async-scheduling")
     if spec.disable_padded_drafter_batch or spec.num_speculative_tokens_per_batch_size:
