@@ -25,21 +25,30 @@ class Walked:
 def walk(plan: VerifyPlan, logits: Tensor) -> Walked:
     """Pick the target's token at every node (argmax, or a Gumbel-max sample keyed by the request's seed
     and the position it predicts) and follow the picks down each tree: lossless for both."""
-    batch = SamplingBatch.build(plan.params, plan.seeds, logits.device)
-    predicts = plan.prefix[:, None] + plan.spec.depths + 1
-    picks = pick(logits, batch, predicts.to(logits.device), span=plan.spec.depth_bound + 1)
+    if plan.greedy:
+        picks = logits.argmax(-1)
+    else:
+        batch = SamplingBatch.build(plan.params, plan.seeds, logits.device)
+        predicts = plan.prefix[:, None] + plan.spec.depths + 1
+        picks = pick(logits, batch, predicts.to(logits.device), span=plan.spec.depth_bound + 1)
     result = accept_walk(plan.spec, picks)
     return Walked(plan, result.path, result.num_nodes, result.tokens)
 
 
 def kv_moves(walked: Walked) -> tuple[Tensor, Tensor]:
-    """(captured row, destination token row) for every accepted node whose K/V is not already at the
-    slot of its path position: node path[k] of tree r moves to the slot vLLM gave row start[r] + k."""
+    """(source token row, destination token row) for every accepted node whose K/V is not already at
+    the slot of its path position: node path[k] of tree r moves to the slot vLLM gave row start[r] + k."""
     path, plan = walked.path, walked.plan
     k = torch.arange(path.shape[1])
     move = (k >= 1) & (k < walked.num_nodes[:, None]) & (path != k)
     r, depth = move.nonzero(as_tuple=True)
-    return r * plan.rows.shape[1] + path[r, depth], plan.start[r] + depth
+    return plan.start[r] + path[r, depth], plan.start[r] + depth
+
+
+def on_spine(walked: Walked) -> bool:
+    """Whether every accepted path is the first nodes in order, so nothing moves."""
+    k = torch.arange(walked.path.shape[1])
+    return bool(((walked.path == k) | (k >= walked.num_nodes[:, None])).all())
 
 
 def compact_kv(walked: Walked, write) -> None:
@@ -48,11 +57,11 @@ def compact_kv(walked: Walked, write) -> None:
     write(captured, key, value, slots) is the attention backend's own cache write, so the cache
     layout stays the backend's business.
     """
-    src, dst_rows = kv_moves(walked)
+    src, dst = kv_moves(walked)
     plan = walked.plan
     if src.numel() == 0 or plan.slot_mapping is None:
         return
-    slots = plan.slot_mapping[dst_rows]
+    slots = plan.slot_mapping[dst]
     for cap in plan.captured:
         write(cap, cap.key[src], cap.value[src], slots)
 

@@ -46,15 +46,13 @@ def verifying(plan: VerifyPlan) -> Iterator[None]:
 
 def paged_kv(kv_cache: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor]:
     """Keys and values of whole blocks [R, nblk] of a CPU_ATTN cache [num_blocks, kv_heads, block, 2 * dim],
-    as [R, kv_heads, nblk * block, dim] each."""
-    nb, heads, block, two_dim = kv_cache.shape
+    as [R, kv_heads, nblk * block, dim] each: one copy of the blocks, then views (keys read transposed)."""
+    _, heads, block, two_dim = kv_cache.shape
     dim = two_dim // 2
-    halves = kv_cache.view(nb, heads, 2, block * dim)
-    keys = halves[:, :, 0].unflatten(-1, (dim, block))[blocks]  # [R, nblk, heads, dim, block]
-    values = halves[:, :, 1].unflatten(-1, (block, dim))[blocks]  # [R, nblk, heads, block, dim]
     R, nblk = blocks.shape
-    keys = keys.permute(0, 2, 1, 4, 3).reshape(R, heads, nblk * block, dim)
-    values = values.permute(0, 2, 1, 3, 4).reshape(R, heads, nblk * block, dim)
+    cached = kv_cache.index_select(0, blocks.flatten()).view(R, nblk, heads, 2, dim * block)
+    keys = cached[:, :, :, 0].unflatten(-1, (dim, block)).permute(0, 2, 1, 4, 3).flatten(2, 3)
+    values = cached[:, :, :, 1].unflatten(-1, (block, dim)).transpose(1, 2).flatten(2, 3)
     return keys, values
 
 
@@ -82,22 +80,22 @@ def check_layout(dtype: torch.dtype, block: int, dim: int, isa: str) -> None:
 
 def tree_attention(impl: CPUAttentionBackendImpl, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
                    block_table: Tensor, plan: VerifyPlan, output: Tensor) -> None:
-    """Attention of every tree row: all of its request's committed keys, then its ancestors and itself."""
+    """Attention of every tree row: all of its request's committed keys, then its ancestors and itself.
+
+    The committed keys come as whole cache blocks; the mask hides what lies past each request's prefix.
+    """
     Rt, N = plan.rows.shape
     heads, kv_heads, dim = impl.num_heads, impl.num_kv_heads, impl.head_size
-    rows = plan.rows.flatten()
-    q = query[rows].view(Rt, N, heads, dim).transpose(1, 2)
-    k_new = key[rows].view(Rt, N, kv_heads, dim).transpose(1, 2)
-    v_new = value[rows].view(Rt, N, kv_heads, dim).transpose(1, 2)
     block = kv_cache.shape[2]
     nblk = -(-int(plan.prefix.max()) // block)
     k_old, v_old = paged_kv(kv_cache, block_table[plan.req_index, :nblk].long())
-    keys = torch.cat([k_old, k_new.to(k_old.dtype)], 2)
-    values = torch.cat([v_old, v_new.to(v_old.dtype)], 2)
-    out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=plan.attention_mask(nblk * block),
+    rows = plan.rows.flatten()
+    keys = torch.cat([k_old, key[rows].view(Rt, N, kv_heads, dim).transpose(1, 2).to(k_old.dtype)], 2)
+    values = torch.cat([v_old, value[rows].view(Rt, N, kv_heads, dim).transpose(1, 2).to(v_old.dtype)], 2)
+    q = query[rows].view(Rt, N, heads, dim).transpose(1, 2).to(keys.dtype)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.attention_mask(nblk * block, keys.dtype),
                                          scale=impl.scale, enable_gqa=heads != kv_heads)
-    out = out.transpose(1, 2)[plan.valid]
-    output.view(-1, heads, dim)[plan.rows[plan.valid]] = out.to(output.dtype)
+    output.view(-1, heads, dim)[plan.rows[plan.valid]] = out.transpose(1, 2)[plan.valid].to(output.dtype)
 
 
 def write_kv(cap: Captured, key: Tensor, value: Tensor, slots: Tensor) -> None:
@@ -114,8 +112,7 @@ class CPUAttentionBackendImplPatch(VllmPatch, target=CPUAttentionBackendImpl):
         CPUAttentionBackendImplPatch.original(self, "do_kv_cache_update")(layer, key, value, kv_cache, slot_mapping)
         plan = _verifying
         if plan is not None and self.attn_type == AttentionType.DECODER:
-            rows = plan.rows.flatten()
-            plan.captured.append(Captured(self, layer, kv_cache, key[rows], value[rows]))
+            plan.captured.append(Captured(self, layer, kv_cache, key, value))
             plan.slot_mapping = slot_mapping
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,

@@ -32,7 +32,14 @@ class DFlashProposerPatch(VllmPatch, target=DFlashProposer):
             return DFlashProposerPatch.original(self, "_sample_draft_tokens")(hidden_states, sampling_metadata)
         logits = self.model.compute_logits(hidden_states)
         ddtree.draft_logits = logits
-        return logits.argmax(dim=-1), None
+        chains = ddtree.chain_rows(logits.shape[0])
+        if chains is None:
+            return logits.argmax(dim=-1), None
+        ids = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        if chains.any():  # trees come from the logits; only chain requests need their argmax
+            chains = chains.to(logits.device)
+            ids[chains] = logits[chains].argmax(dim=-1)
+        return ids, None
 
 
 class DFlashQwen3ModelPatch(VllmPatch, target=DFlashQwen3Model):

@@ -20,11 +20,12 @@ from vllm.v1.outputs import SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from flashtree.integrations.vllm import attention, drafter, settings
-from flashtree.integrations.vllm.accept import Walked, drafter_order, merge_logprobs, output_rows, walk
+from flashtree.integrations.vllm.accept import Walked, drafter_order, merge_logprobs, on_spine, output_rows, walk
 from flashtree.integrations.vllm.chain import chain_part, chain_sampling_metadata, fix_chain_sampling
 from flashtree.integrations.vllm.patching import VllmPatch
 from flashtree.integrations.vllm.trees import TreeBook, tree_params
 from flashtree.integrations.vllm.verify import VerifyPlan, plan_verify
+from flashtree.sampling import SamplingParams
 
 
 class DDTreeRunner:
@@ -38,23 +39,41 @@ class DDTreeRunner:
         self.plan: VerifyPlan | None = None
         self.walked: Walked | None = None
         self.draft_logits: Tensor | None = None
+        self.tree_rows: list[int] = []  # batch rows drafting trees this step; the rest draft chains
+        self.tree_params: list[SamplingParams] = []
+        self._params: dict[str, SamplingParams | None] = {}  # per request, read once: params never change
+
+    def choose(self, runner: CPUModelRunner, num_reqs: int) -> None:
+        """Which requests of the batch draft trees this step: those whose sampling allows one and whose
+        prefill is complete."""
+        if len(self._params) > 2 * len(runner.requests):
+            self._params = {r: p for r, p in self._params.items() if r in runner.requests}
+            self.book.forget(set(runner.requests))
+        discarded = runner.discard_request_mask.np[:num_reqs]
+        self.tree_rows, self.tree_params = [], []
+        for i, req_id in enumerate(runner.input_batch.req_ids[:num_reqs]):
+            if req_id not in self._params:
+                self._params[req_id] = tree_params(runner.requests[req_id].sampling_params, self.logprobs_mode)
+            p = self._params[req_id]
+            if p is not None and not discarded[i]:
+                self.tree_rows.append(i)
+                self.tree_params.append(p)
+
+    def chain_rows(self, total: int) -> Tensor | None:
+        """Rows of the drafter's [requests * depth] logits whose argmax chains are drafts; None for all."""
+        if not self.tree_rows:
+            return None
+        keep = np.ones(total // self.settings.depth, dtype=bool)
+        keep[self.tree_rows] = False
+        return torch.from_numpy(np.repeat(keep, self.settings.depth))
 
     def draft(self, runner: CPUModelRunner, chains: Tensor, sampled: Tensor, logits: Tensor) -> list[list[int]]:
         """Each request's draft list: its exact tree when its sampling allows one, else vLLM's chain."""
         R, depth = chains.shape
-        req_ids = runner.input_batch.req_ids[:R]
-        discarded = runner.discard_request_mask.np[:R]
-        rows, params = [], []
-        for i, req_id in enumerate(req_ids):
-            p = None if discarded[i] else tree_params(runner.requests[req_id].sampling_params, self.logprobs_mode)
-            if p is not None:
-                rows.append(i)
-                params.append(p)
-        if len(self.book.seeds) > 2 * len(runner.requests):
-            self.book.forget(set(runner.requests))
         last = ((sampled != -1).sum(1, keepdim=True) - 1).clamp(min=0)
         roots = sampled.gather(1, last)[:, 0].long()
-        return self.book.draft(req_ids, rows, params, roots, logits.view(R, depth, -1), chains.tolist())
+        return self.book.draft(runner.input_batch.req_ids[:R], self.tree_rows, self.tree_params, roots,
+                               logits.view(R, depth, -1), chains.tolist())
 
 
 class CPUModelRunnerPatch(VllmPatch, target=CPUModelRunner):
@@ -77,8 +96,7 @@ class CPUModelRunnerPatch(VllmPatch, target=CPUModelRunner):
             ddtree.walked = None
             ddtree.plan = plan_verify(ddtree.book, scheduler_output.scheduled_spec_decode_tokens,
                                       self.input_batch.req_id_to_index, self.query_start_loc.np,
-                                      self.input_batch.num_computed_tokens_cpu, self.input_ids.cpu,
-                                      ddtree.settings.depth)
+                                      self.input_batch.num_computed_tokens_cpu, self.input_ids.cpu)
             if ddtree.plan is not None:
                 rows, positions = ddtree.plan.positions()
                 self.positions[rows.to(self.positions.device)] = positions.to(self.positions.device)
@@ -132,9 +150,11 @@ class CPUModelRunnerPatch(VllmPatch, target=CPUModelRunner):
         if walked is not None:
             rows, positions = walked.plan.chain_positions()
             self.positions[rows.to(self.positions.device)] = positions.to(self.positions.device)
-            order = drafter_order(walked, scheduler_output.total_num_scheduled_tokens).to(self.device)
-            aux_hidden_states = [h[order] for h in aux_hidden_states]
+            if not on_spine(walked):
+                order = drafter_order(walked, scheduler_output.total_num_scheduled_tokens).to(self.device)
+                aux_hidden_states = [h[order] for h in aux_hidden_states]
         ddtree.draft_logits = None
+        ddtree.choose(self, self.input_batch.num_reqs)
         chains = original(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                           sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata,
                           slot_mappings)

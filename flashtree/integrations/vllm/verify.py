@@ -12,14 +12,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from flashtree.integrations.vllm.trees import TreeBook
 from flashtree.sampling import SamplingParams
 from flashtree.tree import TreeSpec, ancestor_mask
-from flashtree.integrations.vllm.trees import TreeBook
 
 
 @dataclass
 class Captured:
-    """The fresh K/V one attention layer wrote for the tree rows ([Rt * N, heads, dim], node-major)."""
+    """One attention layer's fresh K/V of the whole verify batch ([tokens, kv_heads, dim]; vLLM
+    allocates them per forward), kept until the walk says which rows to rewrite."""
 
     impl: object
     layer: object
@@ -35,7 +36,7 @@ class VerifyPlan:
     start: Tensor  # [Rt] each tree's first token row (its root) in the flattened batch
     size: Tensor  # [Rt] nodes per tree, root included
     prefix: Tensor  # [Rt] committed tokens before the root, i.e. the root's position
-    spec: TreeSpec  # [Rt, N], padded as flashtree pads
+    spec: TreeSpec  # [Rt, N], padded as flashtree pads; max_depth is the deepest node's depth
     params: list[SamplingParams]
     seeds: list[int]
     rows: Tensor  # [Rt, N] token row of each node; padding repeats the tree's last row
@@ -49,6 +50,10 @@ class VerifyPlan:
     def num_rows(self) -> int:
         return int(self.size.sum())
 
+    @property
+    def greedy(self) -> bool:
+        return all(p.greedy for p in self.params)
+
     def positions(self) -> tuple[Tensor, Tensor]:
         """(token rows, positions) of every real node: its position is prefix + depth."""
         pos = self.prefix[:, None] + self.spec.depths
@@ -59,18 +64,19 @@ class VerifyPlan:
         pos = self.prefix[:, None] + torch.arange(self.rows.shape[1])
         return self.rows[self.valid], pos[self.valid]
 
-    def attention_mask(self, cached: int) -> Tensor:
-        """[Rt, 1, N, cached + N]: every committed key (the first `prefix` of `cached` gathered ones),
-        then the tree's ancestors."""
+    def attention_mask(self, cached: int, dtype: torch.dtype) -> Tensor:
+        """Additive [Rt, 1, N, cached + N]: 0 where a node attends (its request's first `prefix` of
+        `cached` gathered committed keys, then its ancestors and itself), -inf elsewhere."""
         if cached not in self._attn_masks:
             Rt, N = self.rows.shape
             seen = (torch.arange(cached) < self.prefix[:, None])[:, None, :].expand(Rt, N, cached)
-            self._attn_masks[cached] = torch.cat([seen, self.mask], -1)[:, None]
+            allowed = torch.cat([seen, self.mask], -1)[:, None]
+            self._attn_masks[cached] = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
         return self._attn_masks[cached]
 
 
 def plan_verify(book: TreeBook, scheduled: dict[str, list[int]], req_id_to_index: dict[str, int],
-                query_start: np.ndarray, num_computed: np.ndarray, input_ids: Tensor, depth: int) -> VerifyPlan | None:
+                query_start: np.ndarray, num_computed: np.ndarray, input_ids: Tensor) -> VerifyPlan | None:
     """The plan for the requests whose scheduled drafts are (a prefix of) the tree they drafted.
 
     A request whose drafts differ from its tree (none was drafted, or the scheduler dropped it)
@@ -103,8 +109,9 @@ def plan_verify(book: TreeBook, scheduled: dict[str, list[int]], req_id_to_index
         parents[j, :size] = tree.parents[:size]
         depths[j, :size] = tree.depths[:size]
     req_index, start, size = (torch.tensor([c[k] for c in chosen]) for k in range(3))
+    # The deepest node bounds the walk and the ancestor table: a cut tree is often shallower than the drafter's block.
     spec = TreeSpec(tokens=torch.from_numpy(tokens), parents=torch.from_numpy(parents),
-                    depths=torch.from_numpy(depths), sizes=size, max_depth=depth)
+                    depths=torch.from_numpy(depths), sizes=size, max_depth=int(depths.max()))
     node = torch.arange(N)
     return VerifyPlan(
         req_ids=[c[3] for c in chosen], req_index=req_index, start=start, size=size,
