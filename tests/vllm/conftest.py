@@ -44,8 +44,8 @@ def engine(budget: int | None = None, speculative: bool = True, **kwargs):
         kwargs.setdefault("per_request_spec_decode_metrics", "detailed")
     if budget is not None:
         kwargs["additional_config"] = {"ddtree": {"budget": budget}}
-    return LLM(model=TARGET, dtype="float32", max_model_len=1024, seed=0, enforce_eager=True,
-               max_num_batched_tokens=BATCHED, **kwargs)
+    kwargs.setdefault("max_num_batched_tokens", BATCHED)
+    return LLM(model=TARGET, dtype="float32", max_model_len=1024, seed=0, enforce_eager=True, **kwargs)
 
 
 def close(llm) -> None:

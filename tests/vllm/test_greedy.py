@@ -31,7 +31,9 @@ def reference(demo_prompts):
 
 @pytest.fixture(scope="module", params=BUDGETS)
 def ddtree(request):
-    llm = engine(request.param)
+    # Room for eight whole trees a step: a tighter token budget makes the scheduler cut trees short,
+    # still lossless (test_features) but no longer the tree flashtree verifies.
+    llm = engine(request.param, max_num_batched_tokens=8 * (1 + request.param + 15))
     yield request.param, llm
     close(llm)
 
