@@ -173,8 +173,10 @@ def test_paged_kv_reads_what_vllms_cache_op_wrote():
         check_layout(dtype, 128, 64, "vec" if isa == "amx" else isa)
 
 
-def test_tree_attention_matches_dense_masked_attention():
-    """Tree rows attend their request's committed keys (read from the paged cache) and their ancestors only."""
+@pytest.mark.parametrize("adjacent", [True, False])
+def test_tree_attention_matches_dense_masked_attention(adjacent):
+    """Tree rows attend their request's committed keys and their own ancestors only, all read from the
+    paged cache (vLLM writes a node's K/V at position prefix + node index before attention runs)."""
     from vllm import _custom_ops as ops
 
     from flashtree.integrations.vllm.attention import tree_attention
@@ -186,40 +188,43 @@ def test_tree_attention_matches_dense_masked_attention():
     key_cache, value_cache = cache.view(num_blocks, kv_heads, 2 * block, dim).chunk(2, dim=2)
     prefix = [40, 7]  # committed tokens of the two trees' requests
     tables = torch.tensor([[5, 2, 0], [6, 0, 0]], dtype=torch.int32)
+    spec = build_tree(torch.tensor([1, 2]), torch.randn(2, 4, 50, generator=gen), 6)
+    sizes = spec.sizes if adjacent else torch.tensor([7, 5])  # a tree the scheduler cut to 5 nodes
+    N = spec.tokens.shape[1]
+    gap = 0 if adjacent else 3  # another request's rows between the trees
+    start = torch.tensor([0, int(sizes[0]) + gap])
+    T = int(start[1] + sizes[1])
+    q = torch.randn(T, heads, dim, generator=gen)
+    k = torch.randn(T, kv_heads, dim, generator=gen)
+    v = torch.randn(T, kv_heads, dim, generator=gen)
     old_k = [torch.randn(p, kv_heads, dim, generator=gen) for p in prefix]
     old_v = [torch.randn(p, kv_heads, dim, generator=gen) for p in prefix]
     for r, p in enumerate(prefix):
-        slots = tables[r, torch.arange(p) // block].long() * block + torch.arange(p) % block
-        ops.cpu_attn_reshape_and_cache(old_k[r], old_v[r], key_cache, value_cache, slots, "vec")
-    spec = build_tree(torch.tensor([1, 2]), torch.randn(2, 4, 50, generator=gen), 6)
-    sizes = spec.sizes
-    N = spec.tokens.shape[1]
-    start = torch.tensor([0, int(sizes[0])])
+        n = int(sizes[r])
+        position = torch.arange(p + n)
+        slots = tables[r, position // block].long() * block + position % block
+        rows = slice(int(start[r]), int(start[r]) + n)
+        ops.cpu_attn_reshape_and_cache(torch.cat([old_k[r], k[rows]]), torch.cat([old_v[r], v[rows]]),
+                                       key_cache, value_cache, slots, "vec")
     node = torch.arange(N)
     plan = VerifyPlan(req_ids=["a", "b"], req_index=torch.tensor([0, 1]), start=start, size=sizes,
                       prefix=torch.tensor(prefix), spec=spec, params=[], seeds=[],
                       rows=start[:, None] + torch.minimum(node, sizes[:, None] - 1), valid=node < sizes[:, None],
-                      mask=ancestor_mask(spec))
-    T = int(sizes.sum())
-    q = torch.randn(T, heads, dim, generator=gen)
-    k = torch.randn(T, kv_heads, dim, generator=gen)
-    v = torch.randn(T, kv_heads, dim, generator=gen)
+                      mask=ancestor_mask(spec), row_slice=slice(0, 2 * N) if adjacent else None)
     impl = type("Impl", (), {"num_heads": heads, "num_kv_heads": kv_heads, "head_size": dim, "scale": dim ** -0.5})
     out = torch.zeros(T, heads * dim)
-    tree_attention(impl, q, k, v, cache, tables, plan, out)
+    tree_attention(impl, q, cache, tables, plan, out)
 
     mask = ancestor_mask(spec)
     for r in range(2):
         for i in range(int(sizes[r])):
             row = int(start[r]) + i
-            seen = [j for j in range(int(sizes[r])) if mask[r, i, j]]
-            keys = torch.cat([old_k[r], k[int(start[r]) + torch.tensor(seen)]])
-            values = torch.cat([old_v[r], v[int(start[r]) + torch.tensor(seen)]])
+            seen = int(start[r]) + torch.tensor([j for j in range(int(sizes[r])) if mask[r, i, j]])
+            keys, values = torch.cat([old_k[r], k[seen]]), torch.cat([old_v[r], v[seen]])
             for h in range(heads):
                 g = h // (heads // kv_heads)
                 w = torch.softmax(keys[:, g] @ q[row, h] * dim ** -0.5, 0)
-                expected = w @ values[:, g]
-                assert torch.allclose(out.view(T, heads, dim)[row, h], expected, atol=1e-5)
+                assert torch.allclose(out.view(T, heads, dim)[row, h], w @ values[:, g], atol=1e-5)
 
 
 def test_walk_bookkeeping_moves_the_accepted_path():
@@ -238,7 +243,7 @@ def test_walk_bookkeeping_moves_the_accepted_path():
                       valid=torch.ones(1, 4, dtype=torch.bool), mask=ancestor_mask(spec))
     walked = Walked(plan, path=torch.tensor([[0, 2, 3]]), num_nodes=torch.tensor([3]), tokens=torch.tensor([[20, 30, 77]]))
     src, dst = kv_moves(walked)
-    assert list(zip(src.tolist(), dst.tolist())) == [(7, 6), (8, 7)]  # node 2 to position 101, node 3 to 102
+    assert list(zip(src.tolist(), dst.tolist())) == [(2, 6), (3, 7)]  # node 2 to position 101, node 3 to 102
     assert drafter_order(walked, 10).tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 6, 9]
     sampled = torch.tensor([[1, -1], [4, -1], [5, 6]], dtype=torch.int32)
     assert output_rows(sampled, walked).tolist() == [[1, -1, -1], [20, 30, 77], [5, 6, -1]]

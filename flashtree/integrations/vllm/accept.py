@@ -36,13 +36,14 @@ def walk(plan: VerifyPlan, logits: Tensor) -> Walked:
 
 
 def kv_moves(walked: Walked) -> tuple[Tensor, Tensor]:
-    """(source token row, destination token row) for every accepted node whose K/V is not already at
-    the slot of its path position: node path[k] of tree r moves to the slot vLLM gave row start[r] + k."""
+    """(captured row, destination token row) for every accepted node whose K/V is not already at the
+    slot of its path position: node path[k] of tree r moves to the slot vLLM gave row start[r] + k.
+    Captured rows are the trees' nodes, tree-major ([Rt * N])."""
     path, plan = walked.path, walked.plan
     k = torch.arange(path.shape[1])
     move = (k >= 1) & (k < walked.num_nodes[:, None]) & (path != k)
     r, depth = move.nonzero(as_tuple=True)
-    return plan.start[r] + path[r, depth], plan.start[r] + depth
+    return r * plan.rows.shape[1] + path[r, depth], plan.start[r] + depth
 
 
 def on_spine(walked: Walked) -> bool:

@@ -46,7 +46,8 @@ def verifying(plan: VerifyPlan) -> Iterator[None]:
 
 def paged_kv(kv_cache: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor]:
     """Keys and values of whole blocks [R, nblk] of a CPU_ATTN cache [num_blocks, kv_heads, block, 2 * dim],
-    as [R, kv_heads, nblk * block, dim] each: one copy of the blocks, then views (keys read transposed)."""
+    as [R, kv_heads, nblk * block, dim] each: one copy of the blocks, then views where the layout allows
+    (keys are stored transposed, so SDPA's q @ k^T reads them in place)."""
     _, heads, block, two_dim = kv_cache.shape
     dim = two_dim // 2
     R, nblk = blocks.shape
@@ -78,24 +79,27 @@ def check_layout(dtype: torch.dtype, block: int, dim: int, isa: str) -> None:
             f"head size {dim}; run in float32 or bfloat16 on x86")
 
 
-def tree_attention(impl: CPUAttentionBackendImpl, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
-                   block_table: Tensor, plan: VerifyPlan, output: Tensor) -> None:
+def tree_attention(impl: CPUAttentionBackendImpl, query: Tensor, kv_cache: Tensor, block_table: Tensor,
+                   plan: VerifyPlan, output: Tensor) -> None:
     """Attention of every tree row: all of its request's committed keys, then its ancestors and itself.
 
-    The committed keys come as whole cache blocks; the mask hides what lies past each request's prefix.
+    Every key is read from the paged cache, the tree's own too: vLLM wrote node i's K/V at the
+    slot of position prefix + i before this call. The mask hides the rest of the gathered blocks.
     """
     Rt, N = plan.rows.shape
-    heads, kv_heads, dim = impl.num_heads, impl.num_kv_heads, impl.head_size
+    heads, dim = impl.num_heads, impl.head_size
     block = kv_cache.shape[2]
-    nblk = -(-int(plan.prefix.max()) // block)
-    k_old, v_old = paged_kv(kv_cache, block_table[plan.req_index, :nblk].long())
-    rows = plan.rows.flatten()
-    keys = torch.cat([k_old, key[rows].view(Rt, N, kv_heads, dim).transpose(1, 2).to(k_old.dtype)], 2)
-    values = torch.cat([v_old, value[rows].view(Rt, N, kv_heads, dim).transpose(1, 2).to(v_old.dtype)], 2)
-    q = query[rows].view(Rt, N, heads, dim).transpose(1, 2).to(keys.dtype)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.attention_mask(nblk * block, keys.dtype),
-                                         scale=impl.scale, enable_gqa=heads != kv_heads)
-    output.view(-1, heads, dim)[plan.rows[plan.valid]] = out.transpose(1, 2)[plan.valid].to(output.dtype)
+    nblk = -(-int((plan.prefix + plan.size).max()) // block)
+    keys, values = paged_kv(kv_cache, block_table[plan.req_index, :nblk].long())
+    rows = plan.row_slice
+    q = (query[rows] if isinstance(rows, slice) else query[plan.rows.flatten()]).view(Rt, N, heads, dim)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2).to(keys.dtype), keys, values,
+                                         attn_mask=plan.attention_mask(nblk * block, keys.dtype), scale=impl.scale,
+                                         enable_gqa=heads != impl.num_kv_heads).transpose(1, 2)
+    if isinstance(rows, slice):
+        output.view(-1, heads, dim)[rows] = out.reshape(Rt * N, heads, dim).to(output.dtype)
+    else:
+        output.view(-1, heads, dim)[plan.rows[plan.valid]] = out[plan.valid].to(output.dtype)
 
 
 def write_kv(cap: Captured, key: Tensor, value: Tensor, slots: Tensor) -> None:
@@ -112,7 +116,8 @@ class CPUAttentionBackendImplPatch(VllmPatch, target=CPUAttentionBackendImpl):
         CPUAttentionBackendImplPatch.original(self, "do_kv_cache_update")(layer, key, value, kv_cache, slot_mapping)
         plan = _verifying
         if plan is not None and self.attn_type == AttentionType.DECODER:
-            plan.captured.append(Captured(self, layer, kv_cache, key, value))
+            rows = plan.rows.flatten()
+            plan.captured.append(Captured(self, layer, kv_cache, key[rows], value[rows]))
             plan.slot_mapping = slot_mapping
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -124,7 +129,7 @@ class CPUAttentionBackendImplPatch(VllmPatch, target=CPUAttentionBackendImpl):
                             output_block_scale)
         if plan.num_rows < attn_metadata.num_actual_tokens:  # other requests' rows: vLLM's kernel
             original(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
-        tree_attention(self, query, key, value, kv_cache, attn_metadata.block_table, plan, output)
+        tree_attention(self, query, kv_cache, attn_metadata.block_table, plan, output)
         return output
 
 

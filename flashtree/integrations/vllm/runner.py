@@ -126,9 +126,13 @@ class CPUModelRunnerPatch(VllmPatch, target=CPUModelRunner):
         node = torch.minimum(torch.arange(plan.rows.shape[1]), plan.size[:, None] - 1)
         walked = walk(plan, logits[(logits_start[:, None] + node).to(logits.device)])
 
-        part, rows = chain_part(spec_decode_metadata, trees)
-        out = chain_sample(self, logits[torch.from_numpy(rows).to(logits.device)], part,
-                           chain_sampling_metadata(sampling, trees))
+        if len(trees) == len(drafts) and sampling.max_num_logprobs is None:  # every row is a tree's walk
+            out = SamplerOutput(sampled_token_ids=torch.full((len(drafts), 1), -1, dtype=torch.int32),
+                                logprobs_tensors=None)
+        else:
+            part, rows = chain_part(spec_decode_metadata, trees)
+            out = chain_sample(self, logits[torch.from_numpy(rows).to(logits.device)], part,
+                               chain_sampling_metadata(sampling, trees))
         attention.compact(walked)
         ddtree.walked = walked
         logprobs = out.logprobs_tensors

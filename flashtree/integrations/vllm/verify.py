@@ -19,8 +19,8 @@ from flashtree.tree import TreeSpec, ancestor_mask
 
 @dataclass
 class Captured:
-    """One attention layer's fresh K/V of the whole verify batch ([tokens, kv_heads, dim]; vLLM
-    allocates them per forward), kept until the walk says which rows to rewrite."""
+    """One attention layer's fresh K/V of the tree rows ([Rt * N, kv_heads, dim], copied: a compiled
+    forward reuses its buffers), kept until the walk says which rows to rewrite."""
 
     impl: object
     layer: object
@@ -42,6 +42,7 @@ class VerifyPlan:
     rows: Tensor  # [Rt, N] token row of each node; padding repeats the tree's last row
     valid: Tensor  # [Rt, N] real nodes
     mask: Tensor  # [Rt, N, N] node i sees node j (ancestor or itself)
+    row_slice: slice | None = None  # the trees' rows as one slice, when they are adjacent and all N long
     captured: list[Captured] = field(default_factory=list)
     slot_mapping: Tensor | None = None
     _attn_masks: dict[int, Tensor] = field(default_factory=dict)
@@ -64,15 +65,16 @@ class VerifyPlan:
         pos = self.prefix[:, None] + torch.arange(self.rows.shape[1])
         return self.rows[self.valid], pos[self.valid]
 
-    def attention_mask(self, cached: int, dtype: torch.dtype) -> Tensor:
-        """Additive [Rt, 1, N, cached + N]: 0 where a node attends (its request's first `prefix` of
-        `cached` gathered committed keys, then its ancestors and itself), -inf elsewhere."""
-        if cached not in self._attn_masks:
+    def attention_mask(self, columns: int, dtype: torch.dtype) -> Tensor:
+        """Additive [Rt, 1, N, columns] over a request's first `columns` positions: 0 where a node attends
+        (every committed position before the root, then its ancestors and itself), -inf elsewhere."""
+        if columns not in self._attn_masks:
             Rt, N = self.rows.shape
-            seen = (torch.arange(cached) < self.prefix[:, None])[:, None, :].expand(Rt, N, cached)
-            allowed = torch.cat([seen, self.mask], -1)[:, None]
-            self._attn_masks[cached] = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-        return self._attn_masks[cached]
+            rel = torch.arange(columns)[None] - self.prefix[:, None]  # [Rt, columns]: node index at each position
+            ancestors = self.mask.gather(2, rel.clamp(0, N - 1)[:, None, :].expand(Rt, N, columns))
+            allowed = ((rel < 0)[:, None, :] | (((rel >= 0) & (rel < N))[:, None, :] & ancestors))[:, None]
+            self._attn_masks[columns] = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+        return self._attn_masks[columns]
 
 
 def plan_verify(book: TreeBook, scheduled: dict[str, list[int]], req_id_to_index: dict[str, int],
@@ -113,9 +115,11 @@ def plan_verify(book: TreeBook, scheduled: dict[str, list[int]], req_id_to_index
     spec = TreeSpec(tokens=torch.from_numpy(tokens), parents=torch.from_numpy(parents),
                     depths=torch.from_numpy(depths), sizes=size, max_depth=int(depths.max()))
     node = torch.arange(N)
+    first = chosen[0][1]
+    adjacent = all(n == N and row == first + j * N for j, (_, row, n, _) in enumerate(chosen))
     return VerifyPlan(
         req_ids=[c[3] for c in chosen], req_index=req_index, start=start, size=size,
         prefix=torch.from_numpy(num_computed[req_index.numpy()].astype(np.int64)), spec=spec,
         params=[params[c[3]] for c in chosen], seeds=[book.seed(c[3], params[c[3]]) for c in chosen],
         rows=start[:, None] + torch.minimum(node, size[:, None] - 1), valid=node < size[:, None],
-        mask=ancestor_mask(spec))
+        mask=ancestor_mask(spec), row_slice=slice(first, first + Rt * N) if adjacent else None)
