@@ -1,9 +1,11 @@
 """vLLM with flashtree's DDTree plugin against vLLM's own AR and DFlash chain, in the same run.
 
-Every configuration (ar, dflash, ddtree:B) runs vLLM in its own process on the same core, passes
-alternate between configurations so load from other jobs hits all of them alike, and each
-configuration keeps its best pass. Prompts are tokenized once and given as token ids; the script
-checks that every configuration's outputs equal ar's, token for token (greedy).
+Every configuration (ar, dflash, ddtree:B) runs vLLM in its own process on one core (the engine
+in that process: VLLM_ENABLE_V1_MULTIPROCESSING=0), passes alternate between configurations so
+load from other jobs hits all of them alike, and each configuration keeps its best pass. Besides
+wall-clock tok/s the script reports tok/s per second of the process's CPU time, which a machine
+shared with other jobs disturbs far less. Prompts are tokenized once and given as token ids; the
+script checks that every configuration's outputs equal ar's, token for token (greedy).
 
 Run it with the python of a venv holding vLLM and flashtree (README: "DDTree inside vLLM"):
 
@@ -60,19 +62,19 @@ def run(job: dict) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
     prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
     llm.generate(prompts[:job["concurrency"]], params, use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if job["concurrency"] == 1:
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     steps = accepted = 0
     for o in outs:
         m = o.outputs[0].spec_decode_metrics
         if m is not None:
             steps += sum(m.histogram)
             accepted += sum(j * n for j, n in enumerate(m.histogram))
-    return {"wall": wall, "load": load, "outputs": [list(o.outputs[0].token_ids) for o in outs],
+    return {"wall": wall, "cpu": cpu, "load": load, "outputs": [list(o.outputs[0].token_ids) for o in outs],
             "tau": (steps + accepted) / steps if steps else None}
 
 
@@ -98,6 +100,7 @@ def run_one(cfg: dict, common: dict) -> dict:
         job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job.write_text(json.dumps({**common, **cfg}))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
         proc = subprocess.run([sys.executable, __file__, "--worker", str(job), str(out)], env=env,
                               capture_output=True, text=True)
@@ -135,26 +138,34 @@ def main() -> None:
     for p in range(args.passes):
         for cfg in configs:
             res = run_one(cfg, common)
-            res["tok_s"] = sum(len(o) for o in res["outputs"]) / res["wall"]
-            print(f"pass {p + 1}: {cfg['label']:<10} {res['tok_s']:8.1f} tok/s", flush=True)
-            if cfg["label"] not in best or res["tok_s"] > best[cfg["label"]]["tok_s"]:
+            tokens = sum(len(o) for o in res["outputs"])
+            res["tok_s"], res["cpu_tok_s"] = tokens / res["wall"], tokens / res["cpu"]
+            print(f"pass {p + 1}: {cfg['label']:<10} {res['tok_s']:8.1f} tok/s  {res['cpu_tok_s']:8.1f} tok/cpu-s",
+                  flush=True)
+            if cfg["label"] not in best:
                 best[cfg["label"]] = res
+            else:  # best wall and best CPU time, each over the passes
+                kept = best[cfg["label"]]
+                kept["tok_s"], kept["cpu_tok_s"] = max(kept["tok_s"], res["tok_s"]), max(kept["cpu_tok_s"], res["cpu_tok_s"])
 
     reference = best.get("ar") or next(iter(best.values()))
     chain = best.get("dflash", {}).get("tok_s")
+    chain_cpu = best.get("dflash", {}).get("cpu_tok_s")
     print(f"\n{len(common['prompts'])} prompts x {args.max_tokens} tokens, concurrency {args.concurrency}, greedy, "
           f"one core, best of {args.passes} passes, {'eager' if args.eager else 'compiled'}\n")
-    print("| method | tok/s | tau | x dflash | outputs == ar |")
-    print("|---|---|---|---|---|")
+    print("| method | tok/s | tok/cpu-s | tau | x dflash (wall) | x dflash (cpu) | outputs == ar |")
+    print("|---|---|---|---|---|---|---|")
     rows = []
     for cfg in configs:
         r = best[cfg["label"]]
         same = r["outputs"] == reference["outputs"]
         tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
         ratio = f"{r['tok_s'] / chain:.2f}" if chain else ""
-        print(f"| {cfg['label']} | {r['tok_s']:.0f} | {tau} | {ratio} | {'yes' if same else 'NO'} |")
-        rows.append({"config": cfg["label"], "tok_s": r["tok_s"], "tau": r["tau"], "identical": same,
-                     "load_seconds": r["load"]})
+        ratio_cpu = f"{r['cpu_tok_s'] / chain_cpu:.2f}" if chain_cpu else ""
+        print(f"| {cfg['label']} | {r['tok_s']:.0f} | {r['cpu_tok_s']:.0f} | {tau} | {ratio} | {ratio_cpu} | "
+              f"{'yes' if same else 'NO'} |")
+        rows.append({"config": cfg["label"], "tok_s": r["tok_s"], "cpu_tok_s": r["cpu_tok_s"], "tau": r["tau"],
+                     "identical": same, "load_seconds": r["load"]})
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
 

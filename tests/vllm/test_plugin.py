@@ -227,6 +227,26 @@ def test_tree_attention_matches_dense_masked_attention(adjacent):
                 assert torch.allclose(out.view(T, heads, dim)[row, h], w @ values[:, g], atol=1e-5)
 
 
+def test_move_kv_copies_slots_in_the_cache_layout():
+    """The commit's copy within a cache moves exactly the K/V vLLM's write op put at the source slots."""
+    from vllm import _custom_ops as ops
+
+    from flashtree.integrations.vllm.attention import move_kv, paged_kv
+
+    gen = torch.Generator().manual_seed(2)
+    heads, dim, block, blocks = 2, 64, 32, 3
+    cache = torch.zeros(blocks, heads, block, 2 * dim)
+    key_cache, value_cache = cache.view(blocks, heads, 2 * block, dim).chunk(2, dim=2)
+    k, v = torch.randn(blocks * block, heads, dim, generator=gen), torch.randn(blocks * block, heads, dim, generator=gen)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, torch.arange(blocks * block), "vec")
+    src, dst = torch.tensor([35, 40, 70]), torch.tensor([33, 34, 35])  # the last destination was the first source
+    move_kv(cache, src, dst)
+    keys, values = paged_kv(cache, torch.arange(blocks)[None])
+    expected_k, expected_v = k.clone(), v.clone()
+    expected_k[dst], expected_v[dst] = k[src], v[src]
+    assert torch.equal(keys[0].transpose(0, 1), expected_k) and torch.equal(values[0].transpose(0, 1), expected_v)
+
+
 def test_walk_bookkeeping_moves_the_accepted_path():
     """After a walk, the accepted nodes' K/V go to the slots of their path positions, and the drafter
     reads the path first, then the other nodes."""
@@ -243,7 +263,7 @@ def test_walk_bookkeeping_moves_the_accepted_path():
                       valid=torch.ones(1, 4, dtype=torch.bool), mask=ancestor_mask(spec))
     walked = Walked(plan, path=torch.tensor([[0, 2, 3]]), num_nodes=torch.tensor([3]), tokens=torch.tensor([[20, 30, 77]]))
     src, dst = kv_moves(walked)
-    assert list(zip(src.tolist(), dst.tolist())) == [(2, 6), (3, 7)]  # node 2 to position 101, node 3 to 102
+    assert list(zip(src.tolist(), dst.tolist())) == [(7, 6), (8, 7)]  # node 2 to position 101, node 3 to 102
     assert drafter_order(walked, 10).tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 6, 9]
     sampled = torch.tensor([[1, -1], [4, -1], [5, 6]], dtype=torch.int32)
     assert output_rows(sampled, walked).tolist() == [[1, -1, -1], [20, 30, 77], [5, 6, -1]]

@@ -36,14 +36,13 @@ def walk(plan: VerifyPlan, logits: Tensor) -> Walked:
 
 
 def kv_moves(walked: Walked) -> tuple[Tensor, Tensor]:
-    """(captured row, destination token row) for every accepted node whose K/V is not already at the
-    slot of its path position: node path[k] of tree r moves to the slot vLLM gave row start[r] + k.
-    Captured rows are the trees' nodes, tree-major ([Rt * N])."""
+    """(source token row, destination token row) for every accepted node whose K/V is not already at the
+    slot of its path position: node path[k] of tree r moves to the slot vLLM gave row start[r] + k."""
     path, plan = walked.path, walked.plan
     k = torch.arange(path.shape[1])
     move = (k >= 1) & (k < walked.num_nodes[:, None]) & (path != k)
     r, depth = move.nonzero(as_tuple=True)
-    return r * plan.rows.shape[1] + path[r, depth], plan.start[r] + depth
+    return plan.start[r] + path[r, depth], plan.start[r] + depth
 
 
 def on_spine(walked: Walked) -> bool:
@@ -52,19 +51,20 @@ def on_spine(walked: Walked) -> bool:
     return bool(((walked.path == k) | (k >= walked.num_nodes[:, None])).all())
 
 
-def compact_kv(walked: Walked, write) -> None:
-    """Rewrite the accepted nodes' fresh K/V at their path slots in every target layer.
+def compact_kv(walked: Walked, move) -> None:
+    """Copy the accepted nodes' K/V to the slots of their path positions in every target layer.
 
-    write(captured, key, value, slots) is the attention backend's own cache write, so the cache
-    layout stays the backend's business.
+    move(cache, src_slots, dst_slots) copies within one layer's cache. A node's slot is never
+    overwritten before it is read: path[k] >= k, so every source lies at or after every earlier
+    destination.
     """
     src, dst = kv_moves(walked)
     plan = walked.plan
     if src.numel() == 0 or plan.slot_mapping is None:
         return
-    slots = plan.slot_mapping[dst]
-    for cap in plan.captured:
-        write(cap, cap.key[src], cap.value[src], slots)
+    src_slots, dst_slots = plan.slot_mapping[src], plan.slot_mapping[dst]
+    for cache in plan.caches:
+        move(cache, src_slots, dst_slots)
 
 
 def drafter_order(walked: Walked, num_tokens: int) -> Tensor:

@@ -24,7 +24,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAtte
 from flashtree.integrations.vllm import settings
 from flashtree.integrations.vllm.accept import Walked, compact_kv
 from flashtree.integrations.vllm.patching import VllmPatch
-from flashtree.integrations.vllm.verify import Captured, VerifyPlan
+from flashtree.integrations.vllm.verify import VerifyPlan
 
 # Cache layouts this module reads: per block and head, keys stored transposed [dim, block] and
 # values [block, dim]. AMX packs bf16 blocks differently, so DDTree runs use "vec" there.
@@ -46,14 +46,15 @@ def verifying(plan: VerifyPlan) -> Iterator[None]:
 
 def paged_kv(kv_cache: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor]:
     """Keys and values of whole blocks [R, nblk] of a CPU_ATTN cache [num_blocks, kv_heads, block, 2 * dim],
-    as [R, kv_heads, nblk * block, dim] each: one copy of the blocks, then views where the layout allows
-    (keys are stored transposed, so SDPA's q @ k^T reads them in place)."""
+    as [R, kv_heads, nblk * block, dim] each, with the last dim contiguous (SDPA's fused CPU kernel needs
+    it; the cache stores keys transposed per block, so they are copied once more)."""
     _, heads, block, two_dim = kv_cache.shape
     dim = two_dim // 2
     R, nblk = blocks.shape
     cached = kv_cache.index_select(0, blocks.flatten()).view(R, nblk, heads, 2, dim * block)
-    keys = cached[:, :, :, 0].unflatten(-1, (dim, block)).permute(0, 2, 1, 4, 3).flatten(2, 3)
-    values = cached[:, :, :, 1].unflatten(-1, (block, dim)).transpose(1, 2).flatten(2, 3)
+    keys = cached[:, :, :, 0].unflatten(-1, (dim, block)).permute(0, 2, 1, 4, 3).reshape(R, heads, nblk * block, dim)
+    keys = keys.contiguous()  # a one-block reshape is still the transposed view
+    values = cached[:, :, :, 1].unflatten(-1, (block, dim)).transpose(1, 2).reshape(R, heads, nblk * block, dim)
     return keys, values
 
 
@@ -85,41 +86,41 @@ def tree_attention(impl: CPUAttentionBackendImpl, query: Tensor, kv_cache: Tenso
 
     Every key is read from the paged cache, the tree's own too: vLLM wrote node i's K/V at the
     slot of position prefix + i before this call. The mask hides the rest of the gathered blocks.
+    The query heads that share a KV head ride as extra rows of it, so SDPA sees no head grouping.
     """
     Rt, N = plan.rows.shape
-    heads, dim = impl.num_heads, impl.head_size
-    block = kv_cache.shape[2]
-    nblk = -(-int((plan.prefix + plan.size).max()) // block)
-    keys, values = paged_kv(kv_cache, block_table[plan.req_index, :nblk].long())
+    heads, kv_heads, dim = impl.num_heads, impl.num_kv_heads, impl.head_size
+    group = heads // kv_heads
+    blocks, mask = plan.attention_inputs(block_table, kv_cache.shape[2], group, kv_cache.dtype)
+    keys, values = paged_kv(kv_cache, blocks)
     rows = plan.row_slice
-    q = (query[rows] if isinstance(rows, slice) else query[plan.rows.flatten()]).view(Rt, N, heads, dim)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2).to(keys.dtype), keys, values,
-                                         attn_mask=plan.attention_mask(nblk * block, keys.dtype), scale=impl.scale,
-                                         enable_gqa=heads != impl.num_kv_heads).transpose(1, 2)
-    if isinstance(rows, slice):
+    q = query[rows] if rows is not None else query[plan.rows.flatten()]
+    q = q.view(Rt, N, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(Rt, kv_heads, group * N, dim)
+    out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, scale=impl.scale)
+    out = out.view(Rt, kv_heads, group, N, dim).permute(0, 3, 1, 2, 4).reshape(Rt, N, heads, dim)
+    if rows is not None:
         output.view(-1, heads, dim)[rows] = out.reshape(Rt * N, heads, dim).to(output.dtype)
     else:
         output.view(-1, heads, dim)[plan.rows[plan.valid]] = out[plan.valid].to(output.dtype)
 
 
-def write_kv(cap: Captured, key: Tensor, value: Tensor, slots: Tensor) -> None:
-    """The backend's own cache write, so the cache keeps the layout its kernel expects."""
-    CPUAttentionBackendImplPatch.original(cap.impl, "do_kv_cache_update")(cap.layer, key, value, cap.kv_cache, slots)
+def move_kv(kv_cache: Tensor, src: Tensor, dst: Tensor) -> None:
+    """Copy the K/V at slots `src` to slots `dst` of one CPU_ATTN cache, in its own layout."""
+    nb, heads, block, two_dim = kv_cache.shape
+    dim = two_dim // 2
+    halves = kv_cache.view(nb, heads, 2, dim * block)
+    keys = halves[:, :, 0].unflatten(-1, (dim, block))  # [nb, heads, dim, block]
+    values = halves[:, :, 1].unflatten(-1, (block, dim))  # [nb, heads, block, dim]
+    sb, so, db, do = src // block, src % block, dst // block, dst % block
+    keys[db, :, :, do] = keys[sb, :, :, so]
+    values[db, :, do] = values[sb, :, so]
 
 
 def compact(walked: Walked) -> None:
-    compact_kv(walked, write_kv)
+    compact_kv(walked, move_kv)
 
 
 class CPUAttentionBackendImplPatch(VllmPatch, target=CPUAttentionBackendImpl):
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        CPUAttentionBackendImplPatch.original(self, "do_kv_cache_update")(layer, key, value, kv_cache, slot_mapping)
-        plan = _verifying
-        if plan is not None and self.attn_type == AttentionType.DECODER:
-            rows = plan.rows.flatten()
-            plan.captured.append(Captured(self, layer, kv_cache, key[rows], value[rows]))
-            plan.slot_mapping = slot_mapping
-
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         plan = _verifying
@@ -130,6 +131,8 @@ class CPUAttentionBackendImplPatch(VllmPatch, target=CPUAttentionBackendImpl):
         if plan.num_rows < attn_metadata.num_actual_tokens:  # other requests' rows: vLLM's kernel
             original(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         tree_attention(self, query, kv_cache, attn_metadata.block_table, plan, output)
+        plan.caches.append(kv_cache)
+        plan.slot_mapping = attn_metadata.slot_mapping
         return output
 
 

@@ -2,7 +2,7 @@
 
 A request's tree enters the batch as its draft list, one row per node at vLLM's usual slots
 (prefix + node index). The plan moves each node to position prefix + depth and gives the attention
-layers the ancestor mask; after the walk it says which K/V rows move to which slots.
+layers the ancestor mask; after the walk it says which slots' K/V move to which.
 """
 from __future__ import annotations
 
@@ -15,18 +15,6 @@ from torch import Tensor
 from flashtree.integrations.vllm.trees import TreeBook
 from flashtree.sampling import SamplingParams
 from flashtree.tree import TreeSpec, ancestor_mask
-
-
-@dataclass
-class Captured:
-    """One attention layer's fresh K/V of the tree rows ([Rt * N, kv_heads, dim], copied: a compiled
-    forward reuses its buffers), kept until the walk says which rows to rewrite."""
-
-    impl: object
-    layer: object
-    kv_cache: Tensor
-    key: Tensor
-    value: Tensor
 
 
 @dataclass
@@ -43,9 +31,9 @@ class VerifyPlan:
     valid: Tensor  # [Rt, N] real nodes
     mask: Tensor  # [Rt, N, N] node i sees node j (ancestor or itself)
     row_slice: slice | None = None  # the trees' rows as one slice, when they are adjacent and all N long
-    captured: list[Captured] = field(default_factory=list)
-    slot_mapping: Tensor | None = None
-    _attn_masks: dict[int, Tensor] = field(default_factory=dict)
+    caches: list[Tensor] = field(default_factory=list)  # the target layers' KV caches, as attention met them
+    slot_mapping: Tensor | None = None  # the verify batch's slots: row i holds position prefix + node index
+    _attention: dict[tuple, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -65,16 +53,22 @@ class VerifyPlan:
         pos = self.prefix[:, None] + torch.arange(self.rows.shape[1])
         return self.rows[self.valid], pos[self.valid]
 
-    def attention_mask(self, columns: int, dtype: torch.dtype) -> Tensor:
-        """Additive [Rt, 1, N, columns] over a request's first `columns` positions: 0 where a node attends
-        (every committed position before the root, then its ancestors and itself), -inf elsewhere."""
-        if columns not in self._attn_masks:
+    def attention_inputs(self, block_table: Tensor, block: int, group: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """What every target layer's tree attention shares this step: the cache blocks [Rt, nblk] that hold
+        each request's positions up to its last node, and the additive mask [Rt, 1, group * N, nblk * block]
+        (0 where a node attends: every committed position, then its ancestors and itself; rows
+        repeated for the `group` query heads that share a KV head)."""
+        key = (block, group, dtype)
+        if key not in self._attention:
             Rt, N = self.rows.shape
+            nblk = -(-int((self.prefix + self.size).max()) // block)
+            columns = nblk * block
             rel = torch.arange(columns)[None] - self.prefix[:, None]  # [Rt, columns]: node index at each position
             ancestors = self.mask.gather(2, rel.clamp(0, N - 1)[:, None, :].expand(Rt, N, columns))
             allowed = ((rel < 0)[:, None, :] | (((rel >= 0) & (rel < N))[:, None, :] & ancestors))[:, None]
-            self._attn_masks[columns] = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-        return self._attn_masks[columns]
+            additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+            self._attention[key] = (block_table[self.req_index, :nblk].long(), additive.repeat(1, 1, group, 1))
+        return self._attention[key]
 
 
 def plan_verify(book: TreeBook, scheduled: dict[str, list[int]], req_id_to_index: dict[str, int],
