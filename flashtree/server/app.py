@@ -98,7 +98,8 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
         if params.num_samples > engine.config.max_batch:
             field = "best_of" if params.best_of else "n"
             raise APIError(400, f"{field}={params.num_samples} samples are decoded together, but this server "
-                           f"decodes at most {engine.config.max_batch} requests at once (--max-batch)", field)
+                           f"decodes at most {engine.config.max_batch} requests at once (--max-batch)", field,
+                           "integer_above_max_value")
         return params
 
     async def tokenize(encode, *args) -> list[int]:
