@@ -160,7 +160,8 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
         ids = await tokenize(engine.encode, body.prompt)
         shape = CompletionShape(new_id("cmpl"), int(time.time()), name, **shape_args(params))
         if body.echo:
-            shape.echo_text = body.prompt if isinstance(body.prompt, str) else engine.decode(ids)
+            shape.echo_text = body.prompt if isinstance(body.prompt, str) else \
+                await asyncio.get_running_loop().run_in_executor(pool, engine.decode, ids)
             shape.echo_ids = ids
         return await run(request, body, ids, params, shape)
 
