@@ -49,6 +49,9 @@ def one_line_error(err: str) -> str:
     (["generate", "hi", "--target", "/nonexistent/model"], "no such model directory: /nonexistent/model"),
     (["generate", "hi", "--threads", "0"], "positive integer"),
     (["generate"], "required: prompt"),
+    (["serve", "--shutdown-timeout", "-1"], "non-negative finite number of seconds, got -1"),
+    (["serve", "--read-timeout", "0"], "positive finite number of seconds, got 0"),
+    (["serve", "--read-timeout", "inf"], "finite number of seconds"),
 ])
 def test_bad_flags_get_one_line(capsys, argv, words):
     code, _, err = run_cli(capsys, *argv)

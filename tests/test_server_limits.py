@@ -103,3 +103,16 @@ def test_a_head_just_under_the_limit_is_served(address):
     pad = MAX_HEADER_BYTES - 64 - len(base)
     status, _, body = exchange(address, [request("GET", "/health", extra=b"X-Pad: " + b"p" * pad + b"\r\n")])
     assert status == 200 and json.loads(body) == {"status": "ok"}
+
+
+def test_negative_timeouts_are_one_line_errors(tmp_path):
+    """The Python API refuses what the CLI refuses: a negative grace period or read timeout."""
+    from flashtree.errors import FlashtreeError
+    from flashtree.server.graceful import GracefulServer
+    from flashtree.server.limits import check_seconds
+
+    with pytest.raises(FlashtreeError, match="grace: expected a non-negative finite number of seconds, got -1"):
+        check_seconds("grace", -1.0, zero_ok=True)
+    app = type("App", (), {"state": type("State", (), {"engine_loop": None})()})()
+    with pytest.raises(FlashtreeError, match="read_timeout: expected a positive"):
+        GracefulServer(app, grace=5.0, read_timeout=-3.0)

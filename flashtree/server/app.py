@@ -22,7 +22,7 @@ from flashtree import __version__
 from flashtree.config import DEMO_TARGET
 from flashtree.engine import LLMEngine
 from flashtree.server.errors import APIError, install_error_handlers
-from flashtree.server.limits import BodyLimit
+from flashtree.server.limits import BodyLimit, check_seconds
 from flashtree.server.loop import EngineLoop, RequestStream
 from flashtree.server.metrics import ServerMetrics
 from flashtree.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -60,6 +60,7 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
     """An app that owns `engine` through its own engine thread, started and stopped by the lifespan.
 
     read_timeout: seconds a client gets to send a request body (408 after that)."""
+    check_seconds("read_timeout", read_timeout, zero_ok=False)
     metrics = ServerMetrics(registry)
     loop = EngineLoop(engine, metrics)
     pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="flashtree-tokenize")

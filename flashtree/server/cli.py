@@ -7,6 +7,7 @@ import sys
 
 from flashtree.cli import add_engine_args, engine_kwargs, positive_int
 from flashtree.config import EngineConfig
+from flashtree.server.limits import bad_seconds
 
 # Flags that map onto EngineConfig fields; unset ones keep EngineConfig's defaults.
 ENGINE_LIMITS = ("max_batch", "max_model_len", "max_queue", "max_round_tokens", "max_prefill_tokens")
@@ -22,14 +23,19 @@ def port(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
-    return value
+def seconds(zero_ok: bool):
+    """An argparse type for a timeout: positive seconds (or also 0, when zero_ok)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+        if (why := bad_seconds(value, zero_ok)) is not None:
+            raise argparse.ArgumentTypeError(why)
+        return value
+
+    return parse
 
 
 def startup_line(engine, name: str, url: str) -> str:
@@ -78,10 +84,10 @@ def register(subparsers) -> None:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="always prefill whole prompts (by default a prompt prefix that a cache slot holds is reused)")
     p.add_argument("--served-model-name", help="the `model` clients send (default: flashtree-demo or the dir name)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on SIGTERM before they are aborted (default 30); "
-                   "a second SIGTERM exits at once")
-    p.add_argument("--read-timeout", type=positive_float, default=30.0,
+    p.add_argument("--shutdown-timeout", type=seconds(zero_ok=True), default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM before they are aborted (default 30; "
+                   "0 aborts them at once); a second SIGTERM exits at once")
+    p.add_argument("--read-timeout", type=seconds(zero_ok=False), default=30.0,
                    help="seconds a client gets to send a request's headers, and again its body (default 30)")
     p.add_argument("--keep-alive-timeout", type=positive_int, default=5,
                    help="seconds an idle keep-alive connection stays open (default 5)")
