@@ -29,6 +29,7 @@ class EngineConfig:
     dtype: str | None = None  # None/auto = bf16 on cuda, float32 on cpu
     max_batch: int = 8  # requests decoded together
     max_model_len: int | None = None  # prompt + output; None = min(target's limit, 4096)
+    allow_long_max_model_len: bool = False  # allow max_model_len above the target's max_position_embeddings
     max_round_tokens: int = 4096  # cap on all trees' nodes in one batched verify
     max_queue: int = 256  # waiting requests before add_request refuses
     stage_timing: bool | None = None  # sync between stages to time them; None = on for cpu only

@@ -134,8 +134,8 @@ def test_a_dead_worker_is_a_clear_error(models):
 
 
 SCRIPT = """from flashtree import LLM, SamplingParams
-llm = LLM(target={target!r}, drafter={drafter!r}, method="ddtree", budget=8, device="cpu", dtype="float64",
-          max_model_len=96, tensor_parallel_size=2)
+llm = LLM(target={target!r}, drafter={drafter!r}, method="ddtree", budget="auto", max_budget=16, cost_cache="off",
+          device="cpu", dtype="float64", max_model_len=96, tensor_parallel_size=2)
 print("TOKENS", llm.generate([[1, 2, 3]], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids)
 """
 
@@ -146,7 +146,8 @@ def test_tensor_parallel_from_any_kind_of_main(models, tmp_path, how):
     """LLM(tensor_parallel_size=2) from a script piped on stdin, a script without an
     `if __name__ == "__main__":` guard (as the README's example is written) and `python -c`:
     the workers never re-import the user's main module, so each prints its tokens, with no
-    traceback, and gives the tokens of one rank."""
+    traceback, and gives the tokens of one rank. Rank 0 alone prints the start-up cost
+    measurement line."""
     paths, drafter = models
     code = SCRIPT.format(target=str(paths["qwen3"]), drafter=str(drafter))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -157,6 +158,7 @@ def test_tensor_parallel_from_any_kind_of_main(models, tmp_path, how):
     run = subprocess.run(argv, input=code if how == "stdin" else None, capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=300)
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stderr.count("measuring round costs") == 1, run.stderr
     alone = LLM(target=str(paths["qwen3"]), drafter=str(drafter), method="ddtree", budget=8, device="cpu",
                 dtype="float64", max_model_len=96).generate([[1, 2, 3]], SamplingParams(max_tokens=12, ignore_eos=True))
     assert run.stdout.strip() == f"TOKENS {alone[0].token_ids}"

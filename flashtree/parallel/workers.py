@@ -246,11 +246,14 @@ class Channel:
 def start_worker(rank: int, world: int, port: int, fd: int, device: torch.device, threads: int,
                  check: bool) -> subprocess.Popen:
     """`python -m flashtree.parallel.worker` for one rank, importing this same flashtree (its
-    package root goes first on PYTHONPATH; -P keeps the working directory off sys.path)."""
+    package root goes first on PYTHONPATH; -P keeps the working directory off sys.path). Its
+    warnings would repeat rank 0's, which runs the same code: only rank 0 prints them."""
     root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+               TRANSFORMERS_VERBOSITY="error")
     isolate = ["-P"] if sys.version_info >= (3, 11) else []
-    cmd = [sys.executable, *isolate, "-m", "flashtree.parallel.worker", "--rank", str(rank), "--world", str(world),
+    cmd = [sys.executable, *isolate, "-W", "ignore", "-m", "flashtree.parallel.worker", "--rank", str(rank),
+           "--world", str(world),
            "--port", str(port), "--fd", str(fd), "--device", str(device), "--threads", str(threads)]
     return subprocess.Popen(cmd + (["--check"] if check else []), env=env, pass_fds=(fd,), stdin=subprocess.DEVNULL)
 

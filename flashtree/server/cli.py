@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
-from flashtree.cli import add_engine_args, engine_kwargs, positive_int
+from flashtree.cli import add_engine_args, add_length_args, engine_kwargs, positive_int
 from flashtree.config import EngineConfig
-from flashtree.server.limits import bad_seconds
 
 # Flags that map onto EngineConfig fields; unset ones keep EngineConfig's defaults.
-ENGINE_LIMITS = ("max_batch", "max_model_len", "max_queue", "max_round_tokens", "max_prefill_tokens")
+ENGINE_LIMITS = ("max_batch", "max_model_len", "max_queue", "max_round_tokens", "max_prefill_tokens",
+                 "allow_long_max_model_len")
 
 
 def port(text: str) -> int:
@@ -21,6 +22,13 @@ def port(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a port is in 1..65535, got {value}")
     return value
+
+
+def bad_seconds(value: float, zero_ok: bool) -> str | None:
+    """Why `value` cannot be a timeout in seconds, or None when it can."""
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        return f"expected a {'non-negative' if zero_ok else 'positive'} finite number of seconds, got {value:g}"
+    return None
 
 
 def seconds(zero_ok: bool):
@@ -72,7 +80,7 @@ def register(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to listen on all interfaces)")
     p.add_argument("--port", type=port, default=8000, help="1..65535 (default 8000)")
     p.add_argument("--max-batch", type=positive_int, help=f"requests decoded together: cache slots (default {d.max_batch})")
-    p.add_argument("--max-model-len", type=positive_int, help="prompt + output tokens (default: min(target limit, 4096))")
+    add_length_args(p)
     p.add_argument("--max-queue", type=positive_int,
                    help=f"requests waiting for a slot (beyond the free ones) before a 429 (default {d.max_queue})")
     p.add_argument("--max-round-tokens", type=positive_int,

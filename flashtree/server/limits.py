@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import http
-import math
 import re
 
 import h11
@@ -30,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from flashtree.errors import FlashtreeError
+from flashtree.server.cli import bad_seconds
 from flashtree.server.errors import error_response
 
 MAX_HEADER_BYTES = 16 << 10  # request line + headers; a 431 beyond it
@@ -91,13 +91,6 @@ class BodyLimit:
             code = "request_timeout"
         response = error_response(status, message, None, code, headers={"connection": "close"})
         await response(scope, receive, send)
-
-
-def bad_seconds(value: float, zero_ok: bool) -> str | None:
-    """Why `value` cannot be a timeout in seconds, or None when it can."""
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-        return f"expected a {'non-negative' if zero_ok else 'positive'} finite number of seconds, got {value:g}"
-    return None
 
 
 def check_seconds(name: str, value: float, zero_ok: bool) -> None:
