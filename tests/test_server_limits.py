@@ -77,6 +77,9 @@ CASES = [  # (name, pieces, pause between them, status, code, words in the messa
     ("Content-Length -1", [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n"], 0, 400,
      "invalid_http_request", "malformed HTTP", None),
     ("unknown route", [request("GET", "/v1/nothing")], 0, 404, "unknown_url", "/v1/nothing", None),
+    ("WebSocket upgrade", [request("GET", "/v1/realtime", extra=b"Connection: Upgrade\r\nUpgrade: websocket\r\n"
+                                   b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n")],
+     0, 404, "unknown_url", "/v1/realtime", None),
     ("wrong method", [request("GET", "/v1/completions")], 0, 405, "method_not_allowed", "POST", None),
     ("n above --max-batch", [post({"prompt": "hi", "n": MAX_BATCH + 1})], 0, 400, "integer_above_max_value",
      f"at most {MAX_BATCH}", "n"),

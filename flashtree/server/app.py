@@ -37,7 +37,8 @@ TOKENIZER_THREADS = min(4, os.cpu_count() or 1)
 ERRORS = {status: {"model": ErrorResponse, "description": what} for status, what in
           [(400, "invalid request (the message names the field and the limit)"), (404, "unknown model"),
            (408, "the request body did not arrive in time"), (413, "the request body is over 8 MiB"),
-           (429, "the waiting queue is full; retry later"), (503, "the server is shutting down")]}
+           (429, "the waiting queue is full; retry later"), (431, "the request head is over 16 KiB"),
+           (503, "the server is shutting down")]}
 
 
 def default_model_name(target: str) -> str:

@@ -30,8 +30,10 @@ class GracefulServer(uvicorn.Server):
         check_seconds("grace", grace, zero_ok=True)
         check_seconds("read_timeout", read_timeout, zero_ok=False)
         config.setdefault("timeout_keep_alive", KEEP_ALIVE_S)
+        # ws="none": an Upgrade request is plain HTTP to the app (a JSON 404/405), not a WebSocket
+        # handshake that uvicorn would refuse with a bare 403.
         super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=grace + BACKSTOP_S, http=timed_h11(read_timeout),
-                                        h11_max_incomplete_event_size=MAX_HEADER_BYTES, **config))
+                                        h11_max_incomplete_event_size=MAX_HEADER_BYTES, ws="none", **config))
         self.engine_loop = app.state.engine_loop
         self.grace = grace
         self.on_ready = on_ready
