@@ -17,7 +17,7 @@ log = logging.getLogger("flashtree")
 
 SKIP = 4  # first rounds left out: allocator and first-call warm-up
 ROUNDS = 16  # rounds judged after those
-SLOWER = 4.0  # median actual / predicted that warns (about 1.6 on an idle CPU: predictions are best-of-n)
+SLOWER = 4.0  # median actual / predicted that warns (predictions are best-of-n: ordinary rounds run a little above)
 
 
 class PaceWatch:
