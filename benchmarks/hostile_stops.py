@@ -5,8 +5,9 @@ while hostile stop-string requests stream, over loopback HTTP.
     python benchmarks/hostile_stops.py --stop-chars 100000 --rounds 1  # the issue's 1.6 MB request
 
 The hostile request is the one the soak test found: a streamed completion of 2,000 token ids
-with `echo: true`, `max_tokens: 40` and 16 long stop strings (random letters, so none matches
-and the request runs its 40 tokens). A server that scanned every prefix of every stop string on
+(the target's longest tokens, so the echoed prompt is long text) with `echo: true`,
+`max_tokens: 40` and 16 long stop strings (random letters, so none matches and the request
+runs its 40 tokens). A server that scanned every prefix of every stop string on
 each event stalled everyone; one that refuses stop lists over its limit answers 400 at once.
 
 Without --url it starts a `flashtree serve` subprocess on a free 127.0.0.1 port (the demo pair
@@ -55,18 +56,30 @@ async def background(http: httpx.AsyncClient, url: str, model: str, body: dict, 
     while not stop.is_set():
         t0 = time.perf_counter()
         async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
-            async for _ in r.aiter_lines():
-                pass
+            lines = [line async for line in r.aiter_lines()]
         ends.append((r.status_code, time.perf_counter() - t0))
         if r.status_code != 200:  # refused: sending it again only measures the refusal
+            print(f"refused with {r.status_code}: {''.join(lines)[:300]}")
             await stop.wait()
+
+
+def long_token_ids(target: str | None, n: int) -> list[int]:
+    """n token ids cycling over the target's 200 longest tokens, so the echoed prompt is long text
+    (a hold-back that rescans the text costs in proportion to it)."""
+    from transformers import AutoTokenizer
+
+    from flashtree.config import DEMO_TARGET
+
+    tok = AutoTokenizer.from_pretrained(str(target or DEMO_TARGET))
+    ids = sorted(range(len(tok)), key=lambda i: -len(tok.decode([i])))[:200]
+    return [ids[i % len(ids)] for i in range(n)]
 
 
 def bodies(model: str, args) -> dict[str, dict | None]:
     """Each phase's background request: none, the long request without stops, the hostile one."""
     rng = random.Random(0)
     stops = ["".join(rng.choice(string.ascii_letters) for _ in range(args.stop_chars)) for _ in range(args.stops)]
-    long = {"model": model, "prompt": [5 + i % 200 for i in range(args.prompt_tokens)], "echo": True,
+    long = {"model": model, "prompt": long_token_ids(args.target, args.prompt_tokens), "echo": True,
             "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
     return {"alone": None, "with the long request, no stops": long, "with the hostile request": {**long, "stop": stops}}
 

@@ -34,6 +34,8 @@ from flashtree.server.errors import error_response
 
 MAX_HEADER_BYTES = 16 << 10  # request line + headers; a 431 beyond it
 BLANK_LINE = re.compile(b"\n\r?\n")  # the end of a request head, as h11 finds it
+HEAD_TOO_LARGE = (431, f"the request head (request line and headers) is over {MAX_HEADER_BYTES >> 10} KiB",
+                  "headers_too_large")
 
 
 class BodyLimit:
@@ -125,16 +127,14 @@ class TimedH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.conn.their_state is h11.IDLE and head_too_large(self.conn.trailing_data[0] + data, MAX_HEADER_BYTES):
-            self._refuse(431, f"the request head (request line and headers) is over {MAX_HEADER_BYTES >> 10} KiB",
-                         "headers_too_large")
+            self._refuse(*HEAD_TOO_LARGE)
             return
         super().data_received(data)
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request h11 cannot parse (or a pipelined head h11 found too long)."""
         if head_too_large(self.conn.trailing_data[0], MAX_HEADER_BYTES):
-            self._refuse(431, f"the request head (request line and headers) is over {MAX_HEADER_BYTES >> 10} KiB",
-                         "headers_too_large")
+            self._refuse(*HEAD_TOO_LARGE)
         else:
             self._refuse(400, "malformed HTTP request: the request line, a header or the body framing could not be "
                          "parsed", "invalid_http_request")
