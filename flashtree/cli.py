@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from flashtree import __version__
-from flashtree.config import METHODS
+from flashtree.config import METHODS, looks_like_hub_id
 from flashtree.errors import FlashtreeError
 
 SUBSYSTEMS = ("flashtree.server.cli", "flashtree.bench.cli", "flashtree.train.cli")
@@ -132,15 +132,20 @@ def check_device(name: str | None) -> None:
 
 
 def check_model_path(flag: str, name: str | None) -> None:
-    """Name a missing local directory, and an unreachable hub id (offline, or no connection),
-    before anything else can complain (a missing drafter, say)."""
+    """Name a missing local directory (the engine would first complain about something else)."""
+    if name is None or Path(name).expanduser().is_dir() or looks_like_hub_id(name):
+        return
+    raise FlashtreeError(f"no such model directory: {name} (given as {flag}); pass an existing path or "
+                         "a hub id like Qwen/Qwen3-8B")
+
+
+def check_hub_id(name: str | None) -> None:
+    """An unreachable hub id (offline, or no connection) is the first thing said about it, before
+    anything else can complain (a missing drafter, say); fetches its config.json alone."""
     if name is None or Path(name).expanduser().is_dir():
         return
-    from flashtree.models.loader import fetch_from_hub, looks_like_hub_id
+    from flashtree.models.loader import fetch_from_hub
 
-    if not looks_like_hub_id(name):
-        raise FlashtreeError(f"no such model directory: {name} (given as {flag}); pass an existing path or "
-                             "a hub id like Qwen/Qwen3-8B")
     fetch_from_hub(name, ["config.json"])
 
 
@@ -271,7 +276,7 @@ def announce(args: argparse.Namespace) -> None:
 def prepare(args: argparse.Namespace) -> None:
     """Checks and settings for the shared flags, before any model is loaded."""
     for flag in ("target", "drafter"):
-        check_model_path(f"--{flag}", getattr(args, flag, None))
+        check_hub_id(getattr(args, flag, None))
     check_device(getattr(args, "device", None))
     if hasattr(args, "threads"):
         import torch
@@ -284,6 +289,8 @@ def prepare(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        for flag in ("target", "drafter"):  # instant checks first: bad input gets its line alone
+            check_model_path(f"--{flag}", getattr(args, flag, None))
         announce(args)
         prepare(args)
         args.func(args)

@@ -14,6 +14,11 @@ DEMO_DRAFTER = DEMO_DIR / "drafter"  # DFlash2 (candidate selector); see its rec
 DEMO_DRAFTER_DFLASH1 = DEMO_DIR / "drafter-dflash1"  # the earlier DFlash-1 drafter, kept for comparison
 
 
+def looks_like_hub_id(name: str) -> bool:
+    """`owner/name`, as opposed to a local path (which need not exist yet to be meant as one)."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
 @dataclass
 class EngineConfig:
     target: str | None = None  # HF dir or hub id; None = the embedded demo target

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from flashtree.config import looks_like_hub_id
 from flashtree.errors import FlashtreeError
 
 if TYPE_CHECKING:
@@ -54,10 +55,6 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
     if not looks_like_hub_id(name):
         raise FlashtreeError(f"no such model directory: {name}; pass an existing path or a hub id like Qwen/Qwen3-8B")
     return fetch_from_hub(name, HUB_FILES)
-
-
-def looks_like_hub_id(name: str) -> bool:
-    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
 
 
 def fetch_from_hub(name: str, patterns: list[str]) -> Path:
