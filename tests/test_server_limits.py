@@ -76,6 +76,9 @@ CASES = [  # (name, pieces, pause between them, status, code, words in the messa
      None),
     ("Content-Length -1", [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n"], 0, 400,
      "invalid_http_request", "malformed HTTP", None),
+    ("broken chunked body", [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                             b"Content-Type: application/json\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"], 0, 400,
+     "invalid_http_request", "malformed HTTP", None),
     ("unknown route", [request("GET", "/v1/nothing")], 0, 404, "unknown_url", "/v1/nothing", None),
     ("WebSocket upgrade", [request("GET", "/v1/realtime", extra=b"Connection: Upgrade\r\nUpgrade: websocket\r\n"
                                    b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n")],
