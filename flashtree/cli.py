@@ -264,10 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def announce(args: argparse.Namespace) -> None:
-    """The command's first line, within a second of starting: torch and the models take seconds."""
+    """The command's first line, within a second of starting: torch and the models take seconds.
+    Under torchrun (`train`), rank 0 alone says it."""
+    if os.environ.get("RANK", "0") != "0":
+        return
     if hasattr(args, "target"):
         what = f"loading {args.target or 'the embedded demo pair'}"
-        what += f" and the drafter {args.drafter}" if args.drafter else ""
+        what += f" and the drafter {args.drafter}" if getattr(args, "drafter", None) else ""
     else:
         what = "starting"
     print(f"flashtree {args.command}: {what} ...", file=sys.stderr, flush=True)
