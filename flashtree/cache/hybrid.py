@@ -60,6 +60,15 @@ class HybridCache(KVCache):
 
     recurrent = True  # a prefix shorter than the slot also needs the recurrent state at its end
 
+    def recurrent_state(self, layer: int, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
+        """GDN layer `layer`'s committed conv window [R, K-1, C] and state [R, H, dk, dv] for ctx's
+        slots: views when the slots are consecutive, else gathered."""
+        first = ctx.batch.first
+        if first is not None:
+            rows = slice(first, first + ctx.batch.size)
+            return self.conv[layer, rows], self.state[layer, rows]
+        return self.conv[layer, ctx.slots], self.state[layer, ctx.slots]
+
     def save_state(self, slot: int) -> RecurrentState:
         """A copy of the slot's recurrent state and conv windows, at its committed length."""
         return RecurrentState(self.lengths[slot], self.state[:, slot].clone(), self.conv[:, slot].clone())

@@ -46,6 +46,7 @@ class KVCache:
         self.lengths = [0] * num_slots
         self.max_len = max_len
         self.device = torch.device(device)
+        self.dtype = dtype
 
     def write(self, layer: int, ctx: ForwardContext, k: Tensor, v: Tensor) -> None:
         """Store the window's k/v [R, N, Hkv, D] at rows ctx.rows [R, N] of ctx's slots."""
@@ -59,9 +60,10 @@ class KVCache:
         """K/V of the first ctx.key_len rows of each slot, as [R, Hkv, key_len, D]."""
         k, v = self.k[layer], self.v[layer]
         n = ctx.key_len
-        if ctx.batch.contiguous:
+        first = ctx.batch.first
+        if first is not None:  # consecutive slots: a view, read in place
             r = ctx.batch.size
-            k, v = k[:r, :n], v[:r, :n]
+            k, v = k[first : first + r, :n], v[first : first + r, :n]
         else:
             k, v = k[ctx.slots, :n], v[ctx.slots, :n]
         return k.transpose(1, 2), v.transpose(1, 2)
