@@ -131,7 +131,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "measured costs and calibrated acceptance; an integer fixes the tree nodes per round")
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: cuda if available)")
     p.add_argument("--dtype", help="float32, bfloat16, float16, float64 (default: bf16 on cuda, fp32 on cpu)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the round (CUDA graphs on cuda); slower start")
+    p.add_argument("--compile", action="store_true",
+                   help="capture a fixed method's rounds at start-up and replay them (CUDA graphs on cuda)")
     p.add_argument("--tensor-parallel-size", "--tp", type=positive_int, default=1,
                    help="split the target over N ranks: N GPUs from --device on, or N CPU processes (default 1)")
     p.add_argument("--threads", type=positive_int,

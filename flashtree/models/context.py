@@ -41,6 +41,14 @@ class SlotBatch:
         self.uniform = len(set(self.start_list)) <= 1
 
     @classmethod
+    def captured(cls, slots: Tensor, starts: Tensor) -> SlotBatch:
+        """A batch held in a captured round's static buffers: its kernels see only the tensors, so
+        no host fact (consecutive slots, equal starts) may choose a code path."""
+        batch = cls([], [], slots, starts)
+        batch.first, batch.uniform = None, False
+        return batch
+
+    @classmethod
     def of(cls, cache: KVCache, slots: list[int]) -> SlotBatch:
         """From the cache's current lengths, uploaded with plain copies. Off the round's hot path
         (prefill, tests, benchmarks, training); the runner stages its rounds' copies itself."""
