@@ -42,8 +42,10 @@ class EngineConfig:
     prefix_cache: bool = True  # reuse the K/V of a prompt prefix some cache slot already holds
     tensor_parallel_size: int = 1  # ranks the target is split over (flashtree starts the N - 1 workers)
     use_selector: bool | None = None  # DFlash2 drafters: None = use the selector; False = marginal trees (build_tree)
-    compile: bool = False  # torch.compile the round (inductor on cpu, CUDA graphs on cuda); costs startup time
-    static_shapes: bool | None = None  # pad every forward to a shape bucket; None = on with compile
+    # Capture a fixed method's rounds at start-up, one per (batch bucket, key bucket), and replay them
+    # (CUDA graphs on cuda; the same static buffers, eagerly, on cpu); budget="auto" runs eagerly.
+    compile: bool = False
+    static_shapes: bool | None = None  # pad every forward to a shape bucket; always on with compile
 
     @property
     def tree_budget(self) -> int:

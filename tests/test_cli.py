@@ -246,13 +246,16 @@ def test_busy_cores_warning(monkeypatch):
     assert busy_cores_warning(2) is None
 
 
-def test_stats_leave_compile_time_out_and_say_so():
-    """tok/s counts the generate call without the seconds spent compiling, and the line names them."""
+def test_stats_leave_start_up_capture_out_and_say_so(capsys):
+    """generate's tok/s is over the generate call alone, and with --compile the line names the
+    start-up capture seconds as not counted (they once went into tok/s: tok/s=0.8)."""
     out = type("Out", (), {"token_ids": list(range(40)), "finish_reason": "length",
                            "stats": type("S", (), {"mean_accept_length": 2.0, "rounds": 20})()})()
-    line = stats_line("ddtree", out, wall=50.0, compiling=46.0, compiled=46.0)
-    assert " tok/s=10.0 " in line and line.endswith("compile_s=46.0 (not in tok/s)")
-    assert "compile" not in stats_line("ddtree", out, wall=4.0, compiling=0.0, compiled=0.0)
+    line = stats_line("ddtree", out, seconds=4.0, captured=46.0)
+    assert " tok/s=10.0 " in line and line.endswith("capture_s=46.0 (at start-up, not in tok/s)")
+    assert "capture" not in stats_line("ddtree", out, seconds=4.0, captured=0.0)
+    code, _, err = run_cli(capsys, "generate", "hi", "--method", "dflash", "--max-tokens", "4", "--compile")
+    assert code == 0 and re.search(r"capture_s=\d+\.\d \(at start-up, not in tok/s\)$", err.strip()), err
 
 
 def test_rounds_far_slower_than_predicted_warn_once(caplog, monkeypatch):

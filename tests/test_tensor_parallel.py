@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from flashtree import LLM, FlashtreeError, SamplingParams
-from flashtree.models.loader import load_target
+from flashtree.models.loader import hub_state_dict, load_target
 from flashtree.parallel import TensorParallel
 from tests.test_moe import make_qwen3_moe
 from tests.test_qwen3_5 import make_qwen35
@@ -46,9 +46,8 @@ def test_each_rank_reads_only_its_slice(tmp_path):
     """Two ranks' shards of a hybrid (GDN + gated attention) target hold half the sharded weights
     each, and put together along the split dim they are the full model's tensors."""
     path, _ = make_qwen35(tmp_path / "t", seed=2)
-    full = dict(load_target(path, torch.float64, CPU).named_parameters())
-    ranks = [dict(load_target(path, torch.float64, CPU, tp=TensorParallel(r, 2, CPU)).named_parameters())
-             for r in range(2)]
+    full = hub_state_dict(load_target(path, torch.float64, CPU))  # under the checkpoint's names
+    ranks = [hub_state_dict(load_target(path, torch.float64, CPU, tp=TensorParallel(r, 2, CPU))) for r in range(2)]
     assert sum(p.numel() for p in ranks[0].values()) < 0.6 * sum(p.numel() for p in full.values())
 
     def joined(name: str, dim: int) -> torch.Tensor:

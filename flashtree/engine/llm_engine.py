@@ -43,12 +43,11 @@ class RoundInfo:
     """Batch-level facts about the last step, for metrics."""
 
     batch_size: int
-    seconds: float  # compile time (the first rounds of a compiled engine) left out
+    seconds: float
     accept_lengths: list[int]
     modes: list[str] = field(default_factory=list)  # per request: the policy's choice (ar, chain, tree)
     draft_sizes: list[int] = field(default_factory=list)  # drafted nodes verified per request
     predicted_accepts: list[float] = field(default_factory=list)  # expected accepted drafted tokens
-    compile_seconds: float = 0.0  # spent compiling so far in this engine (EngineConfig.compile)
 
 
 @dataclass
@@ -130,7 +129,7 @@ class LLMEngine:
         self.eos_ids = self._eos_ids()
         self.scheduler = Scheduler(config.max_batch, config.max_queue)
         self.output = OutputProcessor(self.tokenizer, self.eos_ids, config.max_model_len)
-        self.runner = ModelRunner(config, self.target, self.drafter, device)
+        self.runner = ModelRunner(config, self.target, self.drafter, device, progress=tp is None or tp.group.rank == 0)
         if tp is not None:  # all ranks take rank 0's start-up timings; rank 0's runner the workers then mirror
             self.runner = tp.attach(self.runner)
         self.prefix = self._prefix_cache()
@@ -152,6 +151,11 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
+
+    @property
+    def capture_seconds(self) -> float:
+        """Start-up seconds spent capturing rounds (compile=True); never part of a request."""
+        return self.runner.capture_seconds
 
     def on_every_rank(self, fn, *args, rank0_kwargs: dict | None = None, **kwargs):
         """fn(engine, *args, **kwargs) on this engine and, under tensor parallelism, on every
@@ -289,14 +293,14 @@ class LLMEngine:
         running = sorted(self.scheduler.decoding(), key=lambda r: r.slot)
         if not running:
             return outputs
-        t0, c0 = time.perf_counter(), self.runner.compile_seconds
+        t0 = time.perf_counter()
         emitted, seconds, logprobs = self.runner.step(running)
-        elapsed = time.perf_counter() - t0 - (self.runner.compile_seconds - c0)
+        elapsed = time.perf_counter() - t0
         plan = self.runner.last_plan
         modes = [plan.label(i) for i in range(len(running))]
         sizes = [plan.size(i) for i in range(len(running))]
         self.last_round = RoundInfo(len(running), elapsed, [len(e) for e in emitted], modes, sizes,
-                                    list(plan.predicted), self.runner.compile_seconds)
+                                    list(plan.predicted))
         self.pace.observe(elapsed, plan.seconds)
         for i, (req, tokens, lps) in enumerate(zip(running, emitted, logprobs)):
             stats = req.stats
