@@ -42,6 +42,8 @@ def _extract(a: argparse.Namespace) -> None:
 
 
 def _train(a: argparse.Namespace) -> None:
+    if a.mtp:
+        return _train_mtp(a)
     from flashtree.train.trainer import TrainConfig, train
 
     cfg = TrainConfig(out=a.out, data=a.data, sequences=a.sequences, target=a.target, block_size=a.block_size,
@@ -55,6 +57,19 @@ def _train(a: argparse.Namespace) -> None:
                       plot=a.plot, selector=a.selector, selector_rank=a.selector_rank, selector_top_k=a.selector_top_k,
                       conv_kernel_size=a.conv_kernel_size, conv_group_size=a.conv_group_size)
     train(cfg)
+
+
+def _train_mtp(a: argparse.Namespace) -> None:
+    from flashtree.train.mtp import MTPTrainConfig, train_mtp
+
+    cfg = MTPTrainConfig(out=a.out, data=a.data, sequences=a.sequences, target=a.target, depth=a.mtp_depth,
+                         step_decay=a.mtp_step_decay, intermediate_size=a.intermediate_size,
+                         init_from_target=a.init_from_target, batch_size=a.batch_size, steps=a.steps,
+                         minutes=a.minutes, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
+                         grad_clip=a.grad_clip, seed=a.seed, max_len=a.max_len, device=a.device, dtype=a.dtype,
+                         save_dtype=a.save_dtype, threads=a.threads, log_every=a.log_every,
+                         save_every=a.save_every, resume=not a.no_resume, plot=a.plot)
+    train_mtp(cfg)
 
 
 def _report(results: dict, json_path: str | None) -> None:
@@ -156,7 +171,7 @@ def register(subparsers) -> None:
     p.add_argument("--store-dtype", default="bfloat16", help="bfloat16, float16 or float32")
     p.set_defaults(func=_extract)
 
-    p = sub.add_parser("train", help="train a DFlash drafter (torchrun for DDP)")
+    p = sub.add_parser("train", help="train a DFlash drafter or (--mtp) an MTP head (torchrun for DDP)")
     p.add_argument("--out", required=True, help="drafter directory (z-lab format) + checkpoint")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="feature shard directory (offline)")
@@ -194,6 +209,11 @@ def register(subparsers) -> None:
     p.add_argument("--selector-top-k", type=int, default=16, help="candidates per depth the selector rescores")
     p.add_argument("--conv-kernel-size", type=int, default=4)
     p.add_argument("--conv-group-size", type=int, help="channels sharing a predicted tap (default min(32, hidden))")
+    p.add_argument("--mtp", action="store_true",
+                   help="train an MTP head (one decoder layer + fc and norms, Qwen3.5's mtp.* layout) from the "
+                        "target's last-layer features instead of a DFlash drafter")
+    p.add_argument("--mtp-depth", type=int, default=3, help="--mtp: recursive draft steps trained (default 3)")
+    p.add_argument("--mtp-step-decay", type=float, default=0.8, help="--mtp: step s weighs decay^(s-1)")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("eval", help="tau of a drafter for dflash and ddtree at several budgets")

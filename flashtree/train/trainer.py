@@ -446,7 +446,7 @@ def write_log(path: Path, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def plot_loss(rows: list[dict], png: Path) -> None:
+def plot_loss(rows: list[dict], png: Path, title: str = "DFlash drafter training") -> None:
     """Loss and the in-training chain-acceptance estimate, per logged step."""
     import matplotlib
 
@@ -462,7 +462,7 @@ def plot_loss(rows: list[dict], png: Path) -> None:
     ax2 = ax.twinx()
     ax2.plot(steps, [r["tau_estimate"] for r in rows], lw=1, color="C1", label="train tau estimate")
     ax2.set_ylabel("tau estimate (teacher-forced, harmonic)", color="C1")
-    ax.set_title("DFlash drafter training")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
