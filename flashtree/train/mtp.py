@@ -97,6 +97,28 @@ def step_context(kv: StepKV, n: int, step: int, rows: int, device: torch.device)
                           mask=mask, is_chain=False)
 
 
+def step_inputs(ids: Tensor, loss_mask: Tensor, step: int, depth: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per entry t (t = 0..T-2) of step `step`: the token it reads (x[t+step]), its label
+    (x[t+step+1]) and whether the label counts (a response token inside the sequence)."""
+    n = ids.shape[1] - 1
+    ids_p, mask_p = F.pad(ids, (0, depth + 1)), F.pad(loss_mask, (0, depth + 1))
+    return ids_p[:, step : step + n], ids_p[:, step + 1 : step + 1 + n], mask_p[:, step + 1 : step + 1 + n]
+
+
+def step_outputs(head: MTPHead, embed, ids: Tensor, hidden: Tensor, depth: int) -> list[Tensor]:
+    """The head's output [B, T-1, d] at every entry for steps 1..depth (see the module docstring):
+    step 1 reads the target's hidden states, each later step the previous step's output."""
+    rows, n = ids.shape[0], ids.shape[1] - 1
+    ids_p = F.pad(ids, (0, depth + 1))
+    kv, prev, outs = StepKV(), hidden[:, :n], []
+    for s in range(1, depth + 1):
+        with torch.no_grad():
+            embeds = embed(ids_p[:, s : s + n])  # x[t+s], as step_inputs gives it
+        prev = head(embeds, prev, step_context(kv, n, s, rows, ids.device))
+        outs.append(prev)
+    return outs
+
+
 @dataclass
 class StepStats:
     loss: Tensor  # the weighted loss to minimise
@@ -110,41 +132,28 @@ class StepStats:
 def head_loss(head: MTPHead, embed, lm_head, ids: Tensor, loss_mask: Tensor, hidden: Tensor, depth: int,
               decay: float) -> StepStats:
     """Recursive next-next-token loss on a padded batch: ids/loss_mask [B, T], hidden [B, T, d] (the
-    target's normed final hidden states). See the module docstring for what each step reads."""
-    rows, t = ids.shape
-    n = t - 1  # entries 0..T-2: each has its next token x[t+1]
-    pad = depth + 1
-    ids_p = F.pad(ids, (0, pad))
-    mask_p = F.pad(loss_mask, (0, pad))
-    kv, prev = StepKV(), hidden[:, :n]
-    alive = torch.ones(rows, n, dtype=torch.bool, device=ids.device)  # every earlier step hit
-    runs = torch.zeros(rows, n, device=ids.device)
+    target's normed final hidden states); step s weighs decay ** (s - 1)."""
+    outs = step_outputs(head, embed, ids, hidden, depth)
+    alive = torch.ones(outs[0].shape[:2], dtype=torch.bool, device=ids.device)  # every earlier step hit
+    runs = torch.zeros(outs[0].shape[:2], device=ids.device)
     loss = hidden.new_zeros(())
     labels, hits, ces = [], [], []
-    weight_sum = 0.0
-    for s in range(1, depth + 1):
-        ctx = step_context(kv, n, s, rows, ids.device)
-        with torch.no_grad():
-            embeds = embed(ids_p[:, s : s + n])
-        prev = head(embeds, prev, ctx)
-        target_ids = ids_p[:, s + 1 : s + 1 + n]
-        valid = mask_p[:, s + 1 : s + 1 + n]
-        logits = lm_head(prev[valid]).float()
+    for s, out in enumerate(outs, start=1):
+        _, target_ids, valid = step_inputs(ids, loss_mask, s, depth)
+        logits = lm_head(out[valid]).float()
         ce = F.cross_entropy(logits, target_ids[valid], reduction="sum")
         count = int(valid.sum())
-        w = decay ** (s - 1)
         if count:
-            loss = loss + w * ce / count
-        weight_sum += w
+            loss = loss + decay ** (s - 1) * ce / count
         hit = torch.zeros_like(valid)
         hit[valid] = logits.argmax(-1) == target_ids[valid]
-        if s == 1:
-            first = valid
+        first = valid if s == 1 else first
         alive = alive & hit
         runs = runs + (alive & first).float()
         labels.append(count)
         hits.append(int(hit.sum()))
         ces.append(float(ce.detach()))
+    weight_sum = sum(decay ** (s - 1) for s in range(1, depth + 1))
     return StepStats(loss / weight_sum, labels, hits, ces, float(runs.sum()), int(first.sum()))
 
 
@@ -276,7 +285,7 @@ def train_mtp(cfg: MTPTrainConfig) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        window.append(torch.tensor([float(res.loss), res.runs, res.entries, *res.labels, *res.hits, *res.ce],
+        window.append(torch.tensor([float(res.loss.detach()), res.runs, res.entries, *res.labels, *res.hits, *res.ce],
                                    dtype=torch.float64))
         elapsed = time.perf_counter() - t0
         if total is None and step - start_step == 10:
