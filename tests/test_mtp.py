@@ -445,3 +445,37 @@ def test_demo_head_ships_with_its_recipe():
     assert "commands" in recipe and recipe["train"]["steps"] > 0
     target = load_target(DEMO_TARGET, torch.float32, CPU)
     load_head(DEMO_MTP, target, torch.float32, CPU)
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+
+def test_generate_and_bench_run_mtp_on_the_demo_pair(tmp_path, capsys):
+    """`flashtree generate --method mtp` and `flashtree bench --methods ar,mtp,dflash,ddtree` run the
+    demo pair's head offline; the bench's mtp cells (one per k) match ar at T = 0."""
+    import json
+
+    from flashtree.cli import main
+
+    assert main(["generate", "def add(a, b):", "--method", "mtp", "--num-speculative-tokens", "2",
+                 "--max-tokens", "8", "--threads", "1"]) == 0
+    assert "[mtp] tokens=8" in capsys.readouterr().err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def mean(xs):", "The river")))
+    out = tmp_path / "bench"
+    assert main(["bench", "--methods", "ar,mtp,dflash,ddtree", "--budgets", "8", "--num-speculative-tokens", "1,3",
+                 "--suites", str(prompts), "--num-prompts", "2", "--max-tokens", "12", "--temperatures", "0",
+                 "--cost-repeats", "1", "--no-plots", "--threads", "1", "--out", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert [c["label"] for c in data["cells"]] == ["ar", "mtp-1", "mtp-3", "dflash", "ddtree-8"]
+    assert all(c["matches_ar"] == 1.0 for c in data["cells"] if c["method"] != "ar")
+    assert [c["tree_nodes"] for c in data["cells"] if c["method"] == "mtp"] == [2, 4]
+    assert data["models"]["mtp_head"]["path"].endswith("mtp")
+
+
+def test_missing_mtp_head_dir_is_one_line(capsys):
+    from flashtree.cli import main
+
+    assert main(["generate", "hi", "--method", "mtp", "--mtp-head", "/nonexistent/head"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no such model directory: /nonexistent/head (given as --mtp-head)" in err

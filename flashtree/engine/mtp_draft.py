@@ -28,7 +28,9 @@ from flashtree.tree import TreeSpec, chain_spec
 
 
 class MTPDraft:
-    """The head, its K/V cache (lengths: committed entries) and the per-slot row stores."""
+    """The head, its K/V cache (lengths: committed entries), the per-slot row stores, and per slot
+    the positions waiting to become entries (on the host for shapes, on the device for indexing,
+    so a round uploads nothing: the counts come from the walk)."""
 
     def __init__(self, head: MTPHead, target, k: int, num_slots: int, max_len: int, device: torch.device) -> None:
         self.head, self.target, self.k = head, target, k
@@ -36,6 +38,8 @@ class MTPDraft:
         dtype = target.embed_tokens.weight.dtype
         self.hidden = torch.zeros(num_slots, max_len, target.args.hidden_size, dtype=dtype, device=device)
         self.tokens = torch.zeros(num_slots, max_len, dtype=torch.long, device=device)
+        self.waiting = [0] * num_slots
+        self.pending = torch.ones(num_slots, dtype=torch.long, device=device)  # a padding row's slot waits on 1
         self.feature_layers = (target.num_layers - 1,)  # the target's last block: its final hidden state, unnormed
 
     @property
@@ -47,8 +51,10 @@ class MTPDraft:
         """Start a slot empty, or holding source's first `length` positions (a shared prefix)."""
         if source is None or length == 0:
             self.cache.set_length(slot, 0)
+            self.wait(slot, 0)
             return
         self.cache.copy_prefix(source, slot, length - 1)  # entry length-1 needs the token after the prefix
+        self.wait(slot, 1)
         if source != slot:
             self.hidden[slot, :length] = self.hidden[source, :length]
             self.tokens[slot, :length] = self.tokens[source, :length]
@@ -68,6 +74,7 @@ class MTPDraft:
         slot = batch.slot_list[0]
         c, end = self.cache.lengths[slot], batch.start_list[0] + ids.shape[1]
         m = end - 1 - c
+        self.wait(slot, 1)
         if m <= 0:
             return
         ctx = ForwardContext.prefill(self.cache, SlotBatch.of(self.cache, [slot]), m)
@@ -75,12 +82,17 @@ class MTPDraft:
         self.head(embeds, self.hidden[slot, c : end - 1][None], ctx)
         self.cache.commit(ctx, [m])
 
+    def wait(self, slot: int, n: int) -> None:
+        """The slot's last n committed positions wait to become entries (outside the round)."""
+        self.waiting[slot] = n
+        self.pending[slot] = max(n, 1)
+
     def draft(self, batch: SlotBatch, roots: Tensor) -> TreeSpec:
         """The chain [root, d_1..d_k] per row (batch.starts: the target's committed lengths)."""
         committed = [self.cache.lengths[s] for s in batch.slot_list]
-        pending = [max(1, n - c) for n, c in zip(batch.start_list, committed)]  # 0 only on a padding row
-        width = max(pending)
-        c, p = torch.tensor([committed, pending]).to(roots.device, non_blocking=True)
+        width = max(self.waiting[s] for s in batch.slot_list)
+        p = self.pending.index_select(0, batch.slots)
+        c = (batch.starts - p).clamp(min=0)  # = committed (a padding row's slot holds nothing)
         rows = c[:, None] + torch.arange(width, device=roots.device)
         slots = batch.slots[:, None]
         last = (p - 1)[:, None]
@@ -103,5 +115,8 @@ class MTPDraft:
         nodes = path.clamp(min=0)
         feats = features.gather(1, nodes[..., None].expand(-1, -1, features.shape[-1]))
         self.store(batch, spec.tokens.gather(1, nodes), feats)
-        for slot, n, _ in zip(batch.slot_list, batch.start_list, counts):
+        real = len(counts)
+        self.pending.index_copy_(0, batch.slots[:real], (path[:real] >= 0).sum(1))
+        for slot, n, count in zip(batch.slot_list, batch.start_list, counts):
             self.cache.set_length(slot, n)
+            self.waiting[slot] = count

@@ -260,7 +260,7 @@ def train_mtp(cfg: MTPTrainConfig) -> dict:
         export(head, out, target.source_dir, cfg.save_dtype)
         write_log(out / "train_log.csv", log_rows)
 
-    t0, window, start_step = time.perf_counter(), [], step
+    t0, cpu0, window, start_step = time.perf_counter(), time.process_time(), [], step
     budget_s = cfg.minutes * 60 if total is None else None
     if dd.main and (total is None or step < total):
         print(LOG_LEGEND, flush=True)
@@ -316,7 +316,8 @@ def train_mtp(cfg: MTPTrainConfig) -> dict:
     if dd.main:
         checkpoint()
         last = log_rows[-1] if log_rows else {}
-        summary = {"steps": step, "train_seconds": round(time.perf_counter() - t0, 1), "sequences": len(dataset),
+        summary = {"steps": step, "train_seconds": round(time.perf_counter() - t0, 1),
+                   "cpu_seconds": round(time.process_time() - cpu0, 1), "sequences": len(dataset),
                    "epochs": round(loader.epochs_done, 3), "world_size": dd.world,
                    "final_loss": last.get("loss"), "final_tau_estimate": last.get("tau_estimate"),
                    "final_step_accuracy": [last.get(f"acc{s}") for s in range(1, cfg.depth + 1)],
