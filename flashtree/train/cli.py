@@ -90,7 +90,8 @@ def _eval(a: argparse.Namespace) -> None:
                      budgets=_ids(a.budgets), max_tokens=a.max_tokens, temperature=a.temperature,
                      chat_template=a.chat_template, limit=a.limit, max_batch=a.max_batch, device=a.device,
                      dtype=a.dtype, tensor_parallel_size=a.tensor_parallel_size,
-                     use_selector=False if a.no_selector else None, **kw)
+                     use_selector=False if a.no_selector else None, mtp_head=a.mtp_head,
+                     num_speculative_tokens=_ids(a.num_speculative_tokens), **kw)
     _report(evaluate(cfg), a.json)
 
 
@@ -123,7 +124,7 @@ def _demo(a: argparse.Namespace) -> None:
         kw |= {"regen_method": "ddtree", "regen_drafter": a.regen_drafter, "regen_budget": a.regen_budget}
     cfg = DemoConfig(work=a.work, build_target=not a.skip_target, target_minutes=a.target_minutes,
                      prompts=a.prompts, train_minutes=a.minutes, train_steps=None if a.minutes else a.steps,
-                     threads=a.threads, seed=a.seed, temperatures=a.temperature, selector=a.selector, **kw)
+                     threads=a.threads, seed=a.seed, temperatures=a.temperature, selector=a.selector, mtp=a.mtp, **kw)
     build_demo(cfg)
 
 
@@ -216,8 +217,10 @@ def register(subparsers) -> None:
     p.add_argument("--mtp-step-decay", type=float, default=0.8, help="--mtp: step s weighs decay^(s-1)")
     p.set_defaults(func=_train)
 
-    p = sub.add_parser("eval", help="tau of a drafter for dflash and ddtree at several budgets")
+    p = sub.add_parser("eval", help="tau of a drafter for dflash and ddtree at several budgets (or an MTP head)")
     _model_args(p, drafter=True)
+    p.add_argument("--mtp-head", help="--methods mtp: the head (default: the target's own)")
+    p.add_argument("--num-speculative-tokens", default="3", help="--methods mtp: comma-separated k (default 3)")
     p.add_argument("--prompts", action="append", help="prompt JSONL (repeatable; default: the bench suites)")
     p.add_argument("--methods", default="dflash,ddtree")
     p.add_argument("--budgets", default="16,64,256")
@@ -271,5 +274,8 @@ def register(subparsers) -> None:
     p.add_argument("--regen-drafter", help="regenerate with ddtree and this drafter (default: ar)")
     p.add_argument("--regen-budget", type=int, default=16)
     p.add_argument("--drafter-out", help="where the drafter goes (default: the embedded demo drafter)")
+    p.add_argument("--mtp", action="store_true",
+                   help="train the demo target's MTP head on the same data instead of a drafter "
+                        "(flashtree/assets/demo/mtp; see its recipe.json)")
     p.add_argument("--plot", help="loss-curve PNG (default docs/figures/demo_drafter_loss.png)")
     p.set_defaults(func=_demo)
