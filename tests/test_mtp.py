@@ -275,6 +275,17 @@ def test_demo_head_is_lossless_batched():
     assert check_lossless(common, prompts) > 2
 
 
+def test_static_shapes_pad_mtp_rounds():
+    """With static shapes (compile's buckets) three requests run as four rows, the fourth on the
+    dummy slot, and mtp still emits `ar`'s tokens."""
+    prompts = ["def fibonacci(n):", "The history of the", "import os\n"]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    common = dict(dtype="float32", device="cpu", max_batch=3, prefix_cache=False)
+    ar = [o.token_ids for o in LLM(method="ar", **common).generate(prompts, params)]
+    outs = LLM(method="mtp", static_shapes=True, **common).generate(prompts, params)
+    assert [o.token_ids for o in outs] == ar
+
+
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     """A tiny Qwen3.5 target whose checkpoint ships an MTP head trained on its own greedy text
