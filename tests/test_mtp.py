@@ -193,27 +193,34 @@ def reference_draft(w: dict, c, embed, lm_head, hidden, prompt: list[int], root:
     return drafts, torch.stack(outputs)
 
 
+def prefilled(tmp_path, prompt: list[int], k: int, seed: int):
+    """A tiny float64 Qwen3 target with a random head saved beside it, an mtp engine over them, and
+    a request whose prompt is prefilled (the head holds entries 0..n-2; its first token is the
+    root): (llm, head, request, target dir)."""
+    path = make_target(tmp_path / "t", seed=seed, logit_scale=3.0)
+    torch.manual_seed(seed + 1)
+    head = build_head(text_config(read_config(path))).double()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.8, 1.2)
+    save_head(head, tmp_path / "head", path)
+    llm = LLM(target=str(path), method="mtp", mtp_head=str(tmp_path / "head"), num_speculative_tokens=k,
+              dtype="float64", device="cpu", max_batch=1)
+    req = llm.engine.add_request(prompt, SamplingParams(max_tokens=1))
+    llm.engine.step()
+    return llm, head, req, path
+
+
 def test_recursive_draft_matches_float64_reference(tmp_path):
     """The engine's k-step draft (tokens and every step's head output) equals a plain float64
     reimplementation in which step j reads step j-1's own output and drafted token: the head's
     pending-entry window, its cache and its positions follow the recursion exactly."""
     import transformers
 
-    path = make_target(tmp_path / "t", seed=4, logit_scale=3.0)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-    target = load_target(path, torch.float64, CPU)
-    torch.manual_seed(9)
-    head = build_head(text_config(read_config(path))).double()
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.8, 1.2)
-    save_head(head, tmp_path / "head", path)
-    llm = LLM(target=str(path), method="mtp", mtp_head=str(tmp_path / "head"), num_speculative_tokens=4,
-              dtype="float64", device="cpu", max_batch=1)
-    runner = llm.engine.runner
     prompt = [3, 17, 40, 8, 22, 5, 9]
-    req = llm.engine.add_request(prompt, SamplingParams(max_tokens=1))
-    llm.engine.step()  # prefill: the head holds entries 0..n-2; the first token is the root
+    llm, head, req, path = prefilled(tmp_path, prompt, k=4, seed=4)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    runner = llm.engine.runner
     root = req.output_ids[0]
     seen = []
     runner.mtp.head.register_forward_hook(lambda _m, _i, out: seen.append(out[0, -1]))
@@ -396,19 +403,9 @@ def test_training_steps_equal_the_engine_draft(tmp_path):
     (the true context's entries, then the chain's own earlier steps)."""
     from flashtree.train.mtp import step_outputs
 
-    path = make_target(tmp_path / "t", seed=6, logit_scale=3.0)
-    torch.manual_seed(1)
-    head = build_head(text_config(read_config(path))).double()
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.8, 1.2)
-    save_head(head, tmp_path / "head", path)
-    llm = LLM(target=str(path), method="mtp", mtp_head=str(tmp_path / "head"), num_speculative_tokens=3,
-              dtype="float64", device="cpu", max_batch=1)
-    runner = llm.engine.runner
     prompt = [9, 4, 31, 2, 17, 50, 6, 6, 12]
-    req = llm.engine.add_request(prompt, SamplingParams(max_tokens=1))
-    llm.engine.step()
+    llm, _, req, _ = prefilled(tmp_path, prompt, k=3, seed=6)
+    runner = llm.engine.runner
     seen = []
     runner.mtp.head.register_forward_hook(lambda _m, _i, out: seen.append(out[0, -1]))
     with torch.no_grad():

@@ -15,9 +15,7 @@ cosine, gradient clipping, resumable checkpoints; the output directory is a head
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,39 +28,17 @@ from torch import Tensor
 from flashtree.errors import FlashtreeError
 from flashtree.models.context import ForwardContext
 from flashtree.models.mtp import MTPHead, build_head, save_head
-from flashtree.train.features import FeatureShards, SequenceRows, target_features
-from flashtree.train.trainer import Loader, changed_settings, init_distributed, lr_factor, plot_loss, save_atomic, \
-    write_log
+from flashtree.train.features import target_features
+from flashtree.train.trainer import Loader, RunConfig, adamw, calibrated_steps, checkpoint_due, lr_factor, open_run, \
+    resumable, save_atomic, write_log, write_summary
 
 
 @dataclass
-class MTPTrainConfig:
-    out: str  # head directory (config.json + model.safetensors) + checkpoint.pt + train_log.csv
-    data: str | None = None  # feature shard directory holding the target's last layer
-    sequences: str | None = None  # regenerated JSONL: online mode, the target runs per batch
-    target: str | None = None  # None = the shards' target (offline) or the demo target
+class MTPTrainConfig(RunConfig):
+    """An MTP head's run; `out` is a head directory (config.json + model.safetensors)."""
+
     depth: int = 3  # recursive steps trained (the head drafts num_speculative_tokens of them)
     step_decay: float = 0.8  # step s weighs step_decay ** (s - 1): a later step counts only if earlier ones hit
-    intermediate_size: int | None = None  # the head layer's MLP width; None = the target's
-    init_from_target: bool = False  # start the head's layer from the target's last layer
-    batch_size: int = 4
-    steps: int | None = None  # optimizer steps; else minutes (calibrated after 10 steps); else one epoch
-    minutes: float | None = None
-    lr: float = 6e-4
-    warmup: float = 0.04
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    seed: int = 0
-    max_len: int = 2048
-    device: str | None = None
-    dtype: str | None = None  # the target's compute dtype; the head trains in float32
-    save_dtype: str = "float32"
-    threads: int | None = None
-    log_every: int = 10
-    save_every: int = 200
-    resume: bool = True
-    stop_after: int | None = None  # stop (with a checkpoint) after this many steps this run: tests simulate a kill
-    plot: str | None = None  # loss-curve PNG (default OUT/loss.png)
 
 
 class StepKV:
@@ -199,52 +175,26 @@ def final_hidden(target, features: Tensor, feature_ids: list[int]) -> Tensor:
 
 def train_mtp(cfg: MTPTrainConfig) -> dict:
     """Train (or resume) an MTP head into `cfg.out`; returns the run summary (rank 0)."""
-    from flashtree.config import DEMO_TARGET
-    from flashtree.models.loader import load_target, parse_dtype, read_config, text_config
+    from flashtree.models.loader import read_config, text_config
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     if cfg.depth < 1:
         raise FlashtreeError(f"--mtp-depth must be >= 1, got {cfg.depth}")
-    dd, device = init_distributed(torch.device(cfg.device) if cfg.device else None)
-    if (cfg.data is None) == (cfg.sequences is None):
-        raise FlashtreeError("give exactly one of --data (feature shards) or --sequences (online mode)")
-    out = Path(cfg.out)
-    if dd.main:
-        out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    target_path = cfg.target
-    if cfg.data is not None:
-        dataset = FeatureShards(cfg.data)
-        target_path = target_path or dataset.manifest["target"]
-    else:
-        dataset = SequenceRows(cfg.sequences, cfg.max_len)
-    if len(dataset) == 0:
-        raise FlashtreeError("no training sequences")
-    target = load_target(target_path or DEMO_TARGET, parse_dtype(cfg.dtype, device), device)
-    for p in target.parameters():
-        p.requires_grad_(False)
+    run = open_run(cfg)
+    dd, device, out, dataset, target = run.dd, run.device, run.out, run.dataset, run.target
     feature_ids = dataset.layer_ids if cfg.data is not None else [target.num_layers - 1]
 
     with torch.device("cpu"):
         head = build_head(text_config(read_config(target.source_dir)), cfg.intermediate_size).float()
     init_head(head, target, cfg.init_from_target, cfg.seed)
     head.to(device).train()
-    decay = [p for p in head.parameters() if p.dim() >= 2]
-    rest = [p for p in head.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = adamw(head, cfg)
     loader = Loader(dataset, cfg.batch_size, dd, cfg.seed)
     per_step = cfg.batch_size * dd.world
     total = cfg.steps or (None if cfg.minutes else math.ceil(len(dataset) / per_step))
     step, log_rows = 0, []
     ckpt_path = out / "checkpoint.pt"
-    if cfg.resume and ckpt_path.is_file():
-        ck = torch.load(ckpt_path, map_location=device, weights_only=False)
-        changed = changed_settings(ck.get("config", {}), asdict(cfg))
-        if changed:
-            raise FlashtreeError(f"{ckpt_path} was trained with other settings ({'; '.join(changed)}); rerun with "
-                                 "the same ones to resume, or start over with a fresh --out or --no-resume")
+    ck = resumable(ckpt_path, cfg, device)
+    if ck is not None:
         head.load_state_dict(ck["head"])
         opt.load_state_dict(ck["optim"])
         loader.load(ck["loader"])
@@ -289,13 +239,7 @@ def train_mtp(cfg: MTPTrainConfig) -> dict:
                                    dtype=torch.float64))
         elapsed = time.perf_counter() - t0
         if total is None and step - start_step == 10:
-            total = max(step + 1, int(budget_s / (elapsed / 10)))
-            if dd.world > 1:
-                t = torch.tensor([total])
-                dist.broadcast(t, 0)
-                total = int(t)
-            if dd.main:
-                print(f"calibrated: {elapsed / 10:.2f}s/step -> {total} steps", flush=True)
+            total = calibrated_steps(step, elapsed, budget_s, dd)
         if step % cfg.log_every == 0 or step == total:
             w = torch.stack(window)
             if dd.world > 1:
@@ -307,24 +251,15 @@ def train_mtp(cfg: MTPTrainConfig) -> dict:
                 acc = " ".join(f"{row[f'acc{s}']:.3f}" for s in range(1, cfg.depth + 1))
                 print(f"step {step}/{total} loss {row['loss']:.4f} acc {acc} tau~{row['tau_estimate']:.2f} "
                       f"lr {lr:.2e} |g| {row['grad_norm']:.2f} ep {row['epoch']:.2f} {elapsed:.0f}s", flush=True)
-        if step % cfg.save_every == 0 or step == total:
-            checkpoint()
-        if cfg.stop_after is not None and step - start_step >= cfg.stop_after and step < total:
-            checkpoint()
+        if checkpoint_due(cfg, step, total, start_step, checkpoint):
             return {"steps": step, "stopped": True}
     summary = {}
     if dd.main:
         checkpoint()
         last = log_rows[-1] if log_rows else {}
-        summary = {"steps": step, "train_seconds": round(time.perf_counter() - t0, 1),
-                   "cpu_seconds": round(time.process_time() - cpu0, 1), "sequences": len(dataset),
-                   "epochs": round(loader.epochs_done, 3), "world_size": dd.world,
-                   "final_loss": last.get("loss"), "final_tau_estimate": last.get("tau_estimate"),
-                   "final_step_accuracy": [last.get(f"acc{s}") for s in range(1, cfg.depth + 1)],
-                   "torch": torch.__version__, "python": sys.version.split()[0], "config": asdict(cfg)}
-        (out / "train_args.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if log_rows:
-            plot_loss(log_rows, Path(cfg.plot) if cfg.plot else out / "loss.png", "MTP head training")
+        summary = write_summary(cfg, out, step, time.perf_counter() - t0, loader, log_rows, "MTP head training",
+                                cpu_seconds=round(time.process_time() - cpu0, 1),
+                                final_step_accuracy=[last.get(f"acc{s}") for s in range(1, cfg.depth + 1)])
     if dd.world > 1:
         dist.barrier()
     return summary
