@@ -42,11 +42,6 @@ class MTPDraft:
         self.pending = torch.ones(num_slots, dtype=torch.long, device=device)  # a padding row's slot waits on 1
         self.feature_layers = (target.num_layers - 1,)  # the target's last block: its final hidden state, unnormed
 
-    @property
-    def window(self) -> int:
-        """Verify nodes per row: the root and k drafts."""
-        return self.k + 1
-
     def seat(self, slot: int, source: int | None, length: int) -> None:
         """Start a slot empty, or holding source's first `length` positions (a shared prefix)."""
         if source is None or length == 0:
