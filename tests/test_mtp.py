@@ -487,3 +487,26 @@ def test_missing_mtp_head_dir_is_one_line(capsys):
     assert main(["generate", "hi", "--method", "mtp", "--mtp-head", "/nonexistent/head"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no such model directory: /nonexistent/head (given as --mtp-head)" in err
+
+
+def test_serve_runs_mtp():
+    """The OpenAI server on an mtp engine: a seeded sampled completion equals `ar`'s, and the
+    startup line names the head and k."""
+    import httpx
+
+    from flashtree.engine import LLMEngine
+    from flashtree.server import BackgroundServer, build_app
+    from flashtree.server.cli import startup_line
+
+    body = {"model": "flashtree-demo", "prompt": "def area(r):", "max_tokens": 16, "temperature": 0.7, "seed": 4}
+    texts = {}
+    for method in ("ar", "mtp"):
+        engine = LLMEngine(EngineConfig(method=method, device="cpu", dtype="float32", max_batch=2))
+        with BackgroundServer(build_app(engine, model_name="flashtree-demo")) as url:
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        texts[method] = r.json()["choices"][0]["text"]
+        if method == "mtp":
+            line = startup_line(engine, "flashtree-demo", url)
+            assert "method=mtp" in line and f"drafter={DEMO_MTP} k=3" in line
+    assert texts["mtp"] == texts["ar"]
