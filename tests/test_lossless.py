@@ -175,29 +175,3 @@ def test_static_prefill_chunks_are_powers_of_two():
     assert prefill_chunks(0, 300, static=True) == [(0, 256), (256, 288), (288, 296), (296, 300)]
     assert prefill_chunks(40, 1100, static=True)[:2] == [(40, 552), (552, 1064)]
     assert prefill_chunks(0, 1100, static=False) == [(0, 512), (512, 1024), (1024, 1100)]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_compiled_round_matches_ar(tmp_path_factory, kind):
-    """compile=True (torch.compile of the prefill chunks, the verify window, the drafter forward and
-    context append and the walk, over static shapes): greedy ddtree emits exactly what eager AR
-    does, on a dense and a hybrid target, and the compile time is reported. Small on purpose:
-    compiling costs minutes on a loaded 2-core CPU (prompts of 6 and 12 tokens run as chunks of
-    4 + 2 and 8 + 4, one request at a time)."""
-    root = tmp_path_factory.mktemp("compiled")
-    if kind == "dense":
-        target = make_target(root / "t", vocab=VOCAB, logit_scale=3.0)
-    else:
-        from test_qwen3_5 import make_qwen35
-
-        target, _ = make_qwen35(root / "t", vocab_size=VOCAB, logit_scale=4.0)
-    drafter = make_drafter(root / "d", target_layers=4, vocab=VOCAB, block_size=8)
-    prompts, params = [[1, 2, 3, 4, 5, 6], [7] * 6 + [9] * 6], SamplingParams(max_tokens=24, ignore_eos=True)
-    common = dict(device="cpu", max_batch=1, max_model_len=96)
-    ref = [o.token_ids for o in LLM(str(target), None, method="ar", **common).generate(prompts, params)]
-    llm = LLM(str(target), str(drafter), method="ddtree", budget=16, compile=True, **common)
-    outs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outs] == ref
-    assert llm.engine.runner.compile_seconds > 0 and llm.engine.last_round.compile_seconds > 0
-    assert max(max(o.stats.accept_lengths) for o in outs) > 1

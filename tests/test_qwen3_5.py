@@ -14,6 +14,9 @@ from flashtree.tree import TreeSpec, chain_spec
 from tests.tiny import make_drafter
 
 CPU = torch.device("cpu")
+# Float32 against HF's float32 reference: the fused kernels (norms, projections) round differently,
+# and four random layers of recurrence amplify it to 0.5-1.5e-4 on logits of magnitude ~7.
+HF_TOL = 3e-4
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
              linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=512, rms_norm_eps=1e-6)
@@ -84,14 +87,14 @@ def test_prefill_and_decode_match_hf(tmp_path, overrides):
         cache.commit(ctx, [80, 80])
         hf_cache = DynamicCache(config=hf.config)
         ref = hf(ids[:, :80], cache=hf_cache, use_cache=True)
-        assert (out.logits - ref.logits).abs().max() < 1e-4
+        assert (out.logits - ref.logits).abs().max() < HF_TOL
         for t in range(80, 90):  # step-by-step decode through commit, as the engine runs AR
             ref = hf(ids[:, t:t + 1], cache=hf_cache, use_cache=True)
             spec = chain_spec(ids[:, t:t + 1])
             ctx = ForwardContext.verify(cache, [1, 2], spec)
             out = ours(spec.tokens, ctx)
             cache.commit(ctx, [1, 1], torch.zeros(2, 1, dtype=torch.long), torch.ones(2, dtype=torch.long))
-            assert (out.logits - ref.logits).abs().max() < 1e-4
+            assert (out.logits - ref.logits).abs().max() < HF_TOL
 
 
 def test_multimodal_checkpoint_layout_loads(tmp_path):
@@ -110,7 +113,7 @@ def test_multimodal_checkpoint_layout_loads(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits
         out = prefill(ours, ours.new_cache(1, 16), 0, ids)
-    assert (out.logits - ref).abs().max() < 1e-4
+    assert (out.logits - ref).abs().max() < HF_TOL
 
 
 def test_moe_variant_matches_hf(tmp_path):
@@ -120,7 +123,7 @@ def test_moe_variant_matches_hf(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits
         out = prefill(ours, ours.new_cache(1, 64), 0, ids)
-    assert (out.logits - ref).abs().max() < 1e-4
+    assert (out.logits - ref).abs().max() < HF_TOL
 
 
 def test_qwen3_next_packed_layout_matches_hf(tmp_path):
@@ -138,7 +141,7 @@ def test_qwen3_next_packed_layout_matches_hf(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits
         out = prefill(ours, ours.new_cache(1, 64), 0, ids)
-    assert (out.logits - ref).abs().max() < 1e-4
+    assert (out.logits - ref).abs().max() < HF_TOL
 
 
 def random_tree(n: int, vocab: int, gen: torch.Generator, max_depth: int = 6) -> tuple[list[int], list[int], list[int]]:

@@ -60,6 +60,15 @@ class HybridCache(KVCache):
 
     recurrent = True  # a prefix shorter than the slot also needs the recurrent state at its end
 
+    def recurrent_state(self, layer: int, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
+        """GDN layer `layer`'s committed conv window [R, K-1, C] and state [R, H, dk, dv] for ctx's
+        slots: views when the slots are consecutive, else gathered."""
+        first = ctx.batch.first
+        if first is not None:
+            rows = slice(first, first + ctx.batch.size)
+            return self.conv[layer, rows], self.state[layer, rows]
+        return self.conv[layer, ctx.slots], self.state[layer, ctx.slots]
+
     def save_state(self, slot: int) -> RecurrentState:
         """A copy of the slot's recurrent state and conv windows, at its committed length."""
         return RecurrentState(self.lengths[slot], self.state[:, slot].clone(), self.conv[:, slot].clone())
@@ -80,16 +89,26 @@ class HybridCache(KVCache):
 
     def commit(self, ctx: ForwardContext, counts: list[int], path: Tensor | None = None,
                num_nodes: Tensor | None = None) -> None:
+        if path is None and not ctx.keep_all:  # a chain kept by counts alone (off the hot path: host counts)
+            num_nodes = torch.tensor(counts, device=ctx.slots.device)
+            path = torch.arange(ctx.num_nodes, device=ctx.slots.device).expand(len(counts), -1)
+            path = path.masked_fill(path >= num_nodes[:, None], -1)
+        super().commit(ctx, counts, path, num_nodes)
+
+    def compact(self, ctx: ForwardContext, path: Tensor | None, num_nodes: Tensor | None, rows: int | None = None
+                ) -> None:
         """Keep the accepted path's K/V, and move every GDN layer's state and conv window to the
         path's last node: one gather and one advance over all layers stacked.
 
         path [R, A] holds window node indices, root first, -1 past num_nodes [R] (both on the
         device, from the accept walk): exactly the nodes on the last node's path, so no ancestor
-        lookups. A kept window (prefill) just takes each layer's WindowEnd.
+        lookups. A kept window (prefill) just takes each layer's WindowEnd. Rows past `rows` pad a
+        batch bucket: their state stays out of the cache (None: every row, as a captured round
+        does; its padding rows sit on a dummy slot).
         """
-        super().commit(ctx, counts, path, num_nodes)
+        super().compact(ctx, path, num_nodes, rows)
         records = [ctx.windows[i] for i in range(self.state.shape[0])]
-        r = len(counts)  # rows past it pad a batch bucket: their state stays out of the cache
+        r = rows if rows is not None else ctx.batch.size
         slots = ctx.slots[:r]
         if ctx.keep_all:
             if not all(isinstance(w, WindowEnd) for w in records):
@@ -99,10 +118,6 @@ class HybridCache(KVCache):
             return
         if not all(isinstance(w, DeltaWindow) for w in records):
             raise FlashtreeError("commit of a verify window got records of a kept window")
-        if path is None:  # a chain kept by counts alone (off the hot path: counts come from the host)
-            path = torch.arange(ctx.num_nodes, device=slots.device).expand(r, -1)
-            num_nodes = torch.tensor(counts, device=slots.device)
-            path = path.masked_fill(path >= num_nodes[:, None], -1)
         node, num_nodes = path[:r].clamp(min=0), num_nodes[:r]  # [R, A], [R]
         a = node.shape[1]
         keys = torch.stack([w.keys[:r] for w in records])  # [G, R, H, N, dk]

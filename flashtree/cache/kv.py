@@ -46,6 +46,7 @@ class KVCache:
         self.lengths = [0] * num_slots
         self.max_len = max_len
         self.device = torch.device(device)
+        self.dtype = dtype
 
     def write(self, layer: int, ctx: ForwardContext, k: Tensor, v: Tensor) -> None:
         """Store the window's k/v [R, N, Hkv, D] at rows ctx.rows [R, N] of ctx's slots."""
@@ -59,9 +60,10 @@ class KVCache:
         """K/V of the first ctx.key_len rows of each slot, as [R, Hkv, key_len, D]."""
         k, v = self.k[layer], self.v[layer]
         n = ctx.key_len
-        if ctx.batch.contiguous:
+        first = ctx.batch.first
+        if first is not None:  # consecutive slots: a view, read in place
             r = ctx.batch.size
-            k, v = k[:r, :n], v[:r, :n]
+            k, v = k[first : first + r, :n], v[first : first + r, :n]
         else:
             k, v = k[ctx.slots, :n], v[ctx.slots, :n]
         return k.transpose(1, 2), v.transpose(1, 2)
@@ -75,17 +77,27 @@ class KVCache:
         already in place. num_nodes is counts on the device (a hybrid cache needs it). Rows past
         len(counts) (padding of a batch bucket) are dropped.
         """
-        r = len(counts)
-        if path is not None and not ctx.is_chain:
-            starts, slots, path = ctx.starts[:r, None], ctx.slots[:r, None], path[:r]
-            steps = torch.arange(path.shape[1], device=path.device)
-            src = torch.where(path >= 0, path, steps) + starts
-            dst = steps + starts
-            rows = slots.expand_as(src)
-            # Gather first (a copy), then scatter: safe because path[j] >= j.
-            self.k[:, rows, dst] = self.k[:, rows, src]
-            self.v[:, rows, dst] = self.v[:, rows, src]
-        for slot, start, n in zip(ctx.batch.slot_list, ctx.batch.start_list, counts):
+        self.compact(ctx, path, num_nodes, len(counts))
+        self.advance(ctx.batch, counts)
+
+    def compact(self, ctx: ForwardContext, path: Tensor | None, num_nodes: Tensor | None, rows: int | None = None
+                ) -> None:
+        """commit's device half, no host read: move the kept nodes of the first `rows` rows (None:
+        all of them, as a captured round does; its padding rows sit on a dummy slot)."""
+        if path is None or ctx.is_chain:
+            return
+        starts, slots, path = ctx.starts[:rows, None], ctx.slots[:rows, None], path[:rows]
+        steps = torch.arange(path.shape[1], device=path.device)
+        src = torch.where(path >= 0, path, steps) + starts
+        dst = steps + starts
+        slots = slots.expand_as(src)
+        # Gather first (a copy), then scatter: safe because path[j] >= j.
+        self.k[:, slots, dst] = self.k[:, slots, src]
+        self.v[:, slots, dst] = self.v[:, slots, src]
+
+    def advance(self, batch, counts: list[int]) -> None:
+        """commit's host half: each slot's committed length becomes its start + count."""
+        for slot, start, n in zip(batch.slot_list, batch.start_list, counts):
             self.lengths[slot] = start + n
 
     def set_length(self, slot: int, length: int) -> None:

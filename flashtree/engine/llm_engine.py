@@ -11,6 +11,7 @@ import torch
 
 from flashtree.config import EngineConfig
 from flashtree.engine.output import OutputProcessor
+from flashtree.engine.pace import PaceWatch
 from flashtree.engine.prefix_cache import PrefixCache
 from flashtree.engine.prompts import encode_chat, max_prompt_chars
 from flashtree.engine.runner import ModelRunner
@@ -21,6 +22,7 @@ from flashtree.engine.sequence import (STAGES, Request, RequestGroup, Status, To
 from flashtree.errors import FlashtreeError, PromptTooLong
 from flashtree.models.dflash2 import load_drafter  # DFlash-1 or DFlash2, by architectures
 from flashtree.models.loader import eos_token_ids, load_target, parse_dtype
+from flashtree.models.mtp import load_head
 from flashtree.sampler import fresh_seed
 from flashtree.sampling import SamplingParams
 
@@ -42,12 +44,11 @@ class RoundInfo:
     """Batch-level facts about the last step, for metrics."""
 
     batch_size: int
-    seconds: float  # compile time (the first rounds of a compiled engine) left out
+    seconds: float
     accept_lengths: list[int]
     modes: list[str] = field(default_factory=list)  # per request: the policy's choice (ar, chain, tree)
     draft_sizes: list[int] = field(default_factory=list)  # drafted nodes verified per request
     predicted_accepts: list[float] = field(default_factory=list)  # expected accepted drafted tokens
-    compile_seconds: float = 0.0  # spent compiling so far in this engine (EngineConfig.compile)
 
 
 @dataclass
@@ -111,29 +112,41 @@ class LLMEngine:
         self.dtype = dtype
         self.target = other.target if other is not None else load_target(config.target, dtype, device,
                                                                           tp=tp.group if tp is not None else None)
-        self.drafter = None
-        if config.method != "ar":
-            if other is not None and other.drafter is not None and other.config.drafter == config.drafter:
-                self.drafter = other.drafter
-            else:
-                self.drafter = load_drafter(config.drafter, self.target, dtype, device)
         limit = getattr(self.target.args, "max_position_embeddings", 4096)
         if config.max_model_len is None:
             config.max_model_len = min(limit, 4096)
+        elif config.max_model_len > limit and not config.allow_long_max_model_len:
+            raise FlashtreeError(f"max_model_len={config.max_model_len} is above the target's max_position_embeddings "
+                                 f"({limit}); lower --max-model-len to at most {limit}, or pass "
+                                 "--allow-long-max-model-len (allow_long_max_model_len=True) to use positions the "
+                                 "model was not trained for")
+        self.drafter = None
+        mtp = config.method == "mtp"
+        if config.method != "ar":
+            # The drafter, or with method="mtp" the MTP head (each shared only with its own kind).
+            source = (config.mtp_head or self.target.source_dir) if mtp else config.drafter
+            shared = other is not None and other.drafter is not None and (other.config.method == "mtp") == mtp
+            if shared and ((other.config.mtp_head or other.target.source_dir) if mtp else other.config.drafter) == source:
+                self.drafter = other.drafter
+            elif mtp:
+                self.drafter = load_head(source, self.target, dtype, device, tp=tp.group if tp is not None else None)
+            else:
+                self.drafter = load_drafter(config.drafter, self.target, dtype, device)
         self.tokenizer = other.tokenizer if other is not None else load_tokenizer(self.target.source_dir)
         self.eos_ids = self._eos_ids()
         self.scheduler = Scheduler(config.max_batch, config.max_queue)
         self.output = OutputProcessor(self.tokenizer, self.eos_ids, config.max_model_len)
-        self.runner = ModelRunner(config, self.target, self.drafter, device)
+        self.runner = ModelRunner(config, self.target, self.drafter, device, progress=tp is None or tp.group.rank == 0)
         if tp is not None:  # all ranks take rank 0's start-up timings; rank 0's runner the workers then mirror
             self.runner = tp.attach(self.runner)
         self.prefix = self._prefix_cache()
         self._token_text: TokenText | None = None
         self._state_keys = itertools.count()  # names of recurrent states the runner keeps for the prefix cache
         self.last_round: RoundInfo | None = None
+        self.pace = PaceWatch(device)
 
     def _prefix_cache(self) -> PrefixCache | None:
-        caches = [self.runner.cache] + ([self.runner.draft_cache] if self.drafter is not None else [])
+        caches = [self.runner.cache] + ([self.runner.draft_cache] if self.runner.draft_cache is not None else [])
         if not self.config.prefix_cache or not all(c.shares_prefixes for c in caches):
             return None  # off, or a sliding-window drafter (see flashtree/engine/prefix_cache.py)
         return PrefixCache(self.config.max_batch, recurrent=self.runner.cache.recurrent)
@@ -145,6 +158,11 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
+
+    @property
+    def capture_seconds(self) -> float:
+        """Start-up seconds spent capturing rounds (compile=True); never part of a request."""
+        return self.runner.capture_seconds
 
     def on_every_rank(self, fn, *args, rank0_kwargs: dict | None = None, **kwargs):
         """fn(engine, *args, **kwargs) on this engine and, under tensor parallelism, on every
@@ -282,14 +300,15 @@ class LLMEngine:
         running = sorted(self.scheduler.decoding(), key=lambda r: r.slot)
         if not running:
             return outputs
-        t0, c0 = time.perf_counter(), self.runner.compile_seconds
+        t0 = time.perf_counter()
         emitted, seconds, logprobs = self.runner.step(running)
-        elapsed = time.perf_counter() - t0 - (self.runner.compile_seconds - c0)
+        elapsed = time.perf_counter() - t0
         plan = self.runner.last_plan
         modes = [plan.label(i) for i in range(len(running))]
         sizes = [plan.size(i) for i in range(len(running))]
         self.last_round = RoundInfo(len(running), elapsed, [len(e) for e in emitted], modes, sizes,
-                                    list(plan.predicted), self.runner.compile_seconds)
+                                    list(plan.predicted))
+        self.pace.observe(elapsed, plan.seconds)
         for i, (req, tokens, lps) in enumerate(zip(running, emitted, logprobs)):
             stats = req.stats
             stats.accept_lengths.append(len(tokens))

@@ -16,7 +16,6 @@ only, and the others' drafter context is held back (flashtree/engine/draft_conte
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 from contextlib import contextmanager
 
@@ -25,11 +24,12 @@ import torch
 from torch import Tensor
 
 from flashtree.config import EngineConfig
-from flashtree.cache import RecurrentState
+from flashtree.cache import RecurrentState, SlidingDraftCache
 from flashtree.engine.cost_model import DEFAULT_SECONDS, save, startup
-from flashtree.engine.compiled import Compiler
 from flashtree.engine.draft_context import DeferredContext
+from flashtree.engine.graphs import RoundGraphs
 from flashtree.engine.logprobs import pack, unpack
+from flashtree.engine.mtp_draft import MTPDraft
 from flashtree.engine.policy import AR, Policy, RoundPlan, fixed_plan
 from flashtree.engine.selector import by_size
 from flashtree.engine.sequence import Request, TokenLogprob
@@ -39,6 +39,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
 from flashtree.models.dflash2 import DFlash2Drafter
+from flashtree.models.mtp import MTPHead
 from flashtree.models.transformer import ForwardOutput
 from flashtree.sampler import SamplingBatch, SamplingStage, pick, processed_logprobs
 from flashtree.sampling import SamplingParams
@@ -58,24 +59,22 @@ DRAFT_REFINE_EVERY = 8  # ... and drafting rounds (a refinement took 0.155 ms of
 
 
 class StageClock:
-    """Wall time per stage. With `sync`, waits for the device so GPU time lands in its stage.
-    Time spent compiling a new bucket (compiler.seconds) is left out of the stage it fell in."""
+    """Wall time per stage. With `sync` (asked for: EngineConfig.stage_timing), waits for the
+    device so GPU time lands in its stage; off, a CUDA round is never synced by its clock."""
 
-    def __init__(self, device: torch.device, sync: bool, compiler: Compiler) -> None:
+    def __init__(self, device: torch.device, sync: bool) -> None:
         self.sync = sync and device.type == "cuda"
-        self.compiler = compiler
         self.seconds: dict[str, float] = {}
 
     @contextmanager
     def stage(self, name: str):
         if self.sync:
             torch.cuda.synchronize()
-        t0, c0 = time.perf_counter(), self.compiler.seconds
+        t0 = time.perf_counter()
         yield
         if self.sync:
             torch.cuda.synchronize()
-        spent = time.perf_counter() - t0 - (self.compiler.seconds - c0)
-        self.seconds[name] = self.seconds.get(name, 0.0) + spent
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
 class InputStage:
@@ -112,19 +111,24 @@ class ModelRunner:
 
     With static shapes (on with compile, or EngineConfig.static_shapes) every forward is padded to
     a bucket (flashtree.engine.shapes): a fixed-method round's batch is padded with greedy rows on
-    a dummy slot past max_batch, whose results are dropped. With compile, the target forward
-    (prefill pieces and verify windows), the drafter forward and context append, the tree build
-    and the accept walk run through torch.compile (flashtree.engine.compiled).
+    a dummy slot past max_batch, whose results are dropped. With compile, a fixed method's rounds
+    are captured at start-up, one per (batch bucket, key bucket), and replayed through static
+    buffers (flashtree.engine.graphs: CUDA graphs on CUDA, the same buffers eagerly on the CPU).
     """
 
-    def __init__(self, config: EngineConfig, target, drafter: DFlashDrafter | None, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, target, drafter: DFlashDrafter | MTPHead | None, device: torch.device,
+                 progress: bool = True) -> None:
         self.config = config
         self.target = target
+        # method="mtp": the drafter is an MTP head, run by self.mtp; the DFlash paths below see no drafter.
+        mtp_head, drafter = (drafter, None) if config.method == "mtp" else (None, drafter)
         self.drafter = drafter
         self.device = device
         self.method = config.method
-        self.static = config.static_shapes if config.static_shapes is not None else config.compile
+        self.static = config.compile or bool(config.static_shapes)  # captured rounds need static shapes
         self.block_size = drafter.block_size if drafter is not None else 1
+        if mtp_head is not None:
+            self.block_size = config.num_speculative_tokens + 1
         self.feature_layers = tuple(drafter.args.target_layer_ids) if drafter is not None else ()
         self.use_selector = selector_on(drafter, config.use_selector)
         self.max_window = 1 + (config.tree_budget if self.method == "ddtree" else self.block_size - 1)
@@ -134,23 +138,18 @@ class ModelRunner:
         self.pads = [padding_request(config.max_batch) for _ in range(self.max_rows - 1)] if self.static else []
         self.cache = target.new_cache(slots, cache_len)
         self.draft_cache = drafter.new_cache(slots, cache_len) if drafter is not None else None
+        self.mtp = None
+        if mtp_head is not None:
+            self.mtp = MTPDraft(mtp_head, target, config.num_speculative_tokens, slots, cache_len, device)
+            self.feature_layers = self.mtp.feature_layers
         self.inputs = InputStage(self.max_rows, device)
         self.sampling_inputs = SamplingStage(self.max_rows, device)
         self.staging = Staging(device)
-        self.compiler = Compiler(device, config.compile)
-        self.compiler.keep([t for c in (self.cache, self.draft_cache) if c is not None
-                            for t in vars(c).values() if isinstance(t, Tensor) and t.numel()])
-        self.run_prefill = self.compiler(self._prefill)
-        self.run_verify = self.compiler(self._verify)
-        self.run_draft = self.compiler(self._draft)
-        self.run_append = self.compiler(self._append)
-        # Compiled, the builder runs without its CPU early stop (host reads would split the graph);
-        # a builder without that switch stays eager on the CPU.
-        compile_tree = config.compile and (_BUILD_PRUNES or device.type != "cpu")
-        self.run_tree = self.compiler(_build_tree) if compile_tree else build_tree
-        self.run_walk = self.compiler(accept_walk)
+        self.run_prefill, self.run_verify, self.run_draft, self.run_append = \
+            self._prefill, self._verify, self._draft, self._append
+        self.run_tree, self.run_walk = build_tree, accept_walk
         sync = config.stage_timing if config.stage_timing is not None else device.type != "cuda"
-        self.clock = StageClock(device, sync, self.compiler)
+        self.clock = StageClock(device, sync)
         self.timed_stages = sync or device.type == "cpu"  # stage times are real, not launch times
         self.policy: Policy | None = None
         self.deferred: DeferredContext | None = None
@@ -171,11 +170,16 @@ class ModelRunner:
         self.plain = [False] * slots  # per slot: its request never drafts, so its drafter rows are empty
         self.prompt_logits: dict[int, Tensor] = {}  # slot -> its complete prompt's last logits, until start_samples
         self.saved_states: dict[int, RecurrentState] = {}  # prefix reuse on a hybrid target: key -> state
+        self.graphs: RoundGraphs | None = None
+        if config.compile and self.policy is None and self.mtp is None and not isinstance(self.draft_cache, SlidingDraftCache):
+            keys = sorted({key_bucket(n, self.cache.max_len) for n in range(1, self.cache.max_len + 1)})
+            buckets = [b for b in (1 << i for i in range(self.max_rows.bit_length())) if b <= self.max_rows]
+            self.graphs = RoundGraphs(self, buckets, keys, dummy=config.max_batch, progress=progress)
 
     @property
-    def compile_seconds(self) -> float:
-        """Seconds this process spent compiling graphs so far (0 without compile)."""
-        return self.compiler.seconds
+    def capture_seconds(self) -> float:
+        """Seconds start-up spent capturing the rounds (0 without compile)."""
+        return self.graphs.seconds if self.graphs is not None else 0.0
 
     def round_budget(self, n: int) -> int:
         """Per-request tree budget for a batch of n: capped so all trees fit max_round_tokens
@@ -206,6 +210,8 @@ class ModelRunner:
         speculative request's source never gave its drafter the prompt."""
         if self.deferred is not None:
             self.deferred.reset(slot)
+        if self.mtp is not None:
+            self.mtp.seat(slot, source, length)
         plain, self.plain[slot] = self.plain[source] if source is not None else False, not speculative
         if source is None or (plain and speculative):
             self.cache.set_length(slot, 0)
@@ -249,6 +255,8 @@ class ModelRunner:
         scored = req.prompt_logprobs is not None
         ctx, out = self.run_prefill(ids, batch, self.key_len(batch, n), scored, not self.plain[req.slot])
         self.cache.commit(ctx, [n])
+        if self.mtp is not None:
+            self.mtp.prefill(batch, ids, out.features)
         if self.drafter is not None and not self.plain[req.slot]:
             dctx = self.run_append(batch, out.features, None, self.key_len(batch, 0))
             self.draft_cache.commit(dctx, [n])
@@ -328,6 +336,8 @@ class ModelRunner:
         the emitted tokens' logprobs for requests that keep them (else None)."""
         t0 = time.perf_counter()
         self.clock.seconds = {}
+        if self.graphs is not None:
+            return self.step_captured(reqs)
         real = len(reqs)
         if self.static and self.policy is None:  # pad the batch to its bucket (greedy rows, dummy slot)
             reqs = reqs + self.pads[: batch_bucket(real) - real]
@@ -348,7 +358,7 @@ class ModelRunner:
             held = (time.perf_counter() - f0, sum(n * len(group) for n, group in flush.items()))
         spec, values = self.draft(batch, roots, plan, staged)
         with self.clock.stage("verify"):
-            features = self.drafter is not None and (plan.drafting > 0 or any(parking))
+            features = self.mtp is not None or (self.drafter is not None and (plan.drafting > 0 or any(parking)))
             ctx, out = self.run_verify(batch, spec, self.key_len(batch, spec.num_nodes), features)
             picks = pick(out.logits, sampling, ctx.positions + 1, spec.depth_bound + 1)
         with self.clock.stage("commit"):
@@ -364,6 +374,9 @@ class ModelRunner:
             # Projecting the accepted nodes' features into drafter K/V is drafter model work.
             with self.clock.stage("draft"):
                 self.extend_context(plan, staged, batch, out.features, walk, counts, slots, ring_rows)
+        elif self.mtp is not None:
+            with self.clock.stage("draft"):
+                self.mtp.accept(batch, spec, walk.path, out.features, counts)
         self.last_plan = plan
         if self.policy is not None:
             # A round's cost includes the engine's work between rounds (emitting, scheduling):
@@ -378,12 +391,73 @@ class ModelRunner:
             self._last_end = time.perf_counter()
         return emitted, dict(self.clock.seconds), logprobs
 
+    # ---- captured rounds (compile=True, a fixed method) --------------------------------------
+
+    def captured_forward(self, batch: SlotBatch, roots: Tensor, key_len: int) -> dict:
+        """A captured round's first piece: the drafter's block, the tree or chain, the verify."""
+        plan = fixed_plan(batch.size, self.method if self.drafter is not None else "ar", self.block_size,
+                          self.round_budget(batch.size))
+        if plan.drafting:
+            hidden, logits = self._draft(batch, roots, plan.depth, key_len)
+            markov = self.drafter.transitions(hidden, logits, roots) if self.use_selector else None
+            if plan.tree_rows:
+                tree = build_markov_tree(roots, *markov, plan.budget) if markov else build_tree(roots, logits, plan.budget)
+                spec = dataclasses.replace(tree, max_depth=min(logits.shape[1], plan.budget))
+            else:
+                spec = build_markov_chain(roots, *markov) if markov else build_chain(roots, logits)
+        else:
+            spec = chain_spec(roots[:, None])
+        ctx, out = self._verify(batch, spec, key_len, self.drafter is not None)
+        return {"logits": out.logits, "positions": ctx.positions, "features": out.features, "spec": spec, "ctx": ctx}
+
+    def captured_commit(self, state: dict, picks: Tensor, key_len: int) -> dict:
+        """A captured round's second piece, given every node's pick: the accept walk, the KV
+        compaction (padding rows included: they sit on the dummy slot) and the drafter's context."""
+        walk = accept_walk(state["spec"], picks)
+        ctx = state["ctx"]
+        self.cache.compact(ctx, walk.path, walk.num_nodes)
+        if self.drafter is not None:
+            self._append(ctx.batch, state["features"], walk.path, key_len)
+        return {"num_nodes": walk.num_nodes, "tokens": walk.tokens, "path": walk.path}
+
+    def step_captured(self, reqs: list[Request]
+                      ) -> tuple[list[list[int]], dict[str, float], list[list[TokenLogprob] | None]]:
+        """One round replayed from the captured ones: inputs into static buffers, the sampler
+        between the two pieces, one host read, then the host's lengths."""
+        real = len(reqs)
+        reqs = reqs + self.pads[: batch_bucket(real) - real]
+        slots = [r.slot for r in reqs]
+        starts = [self.cache.lengths[s] for s in slots]
+        batch, roots, _ = self.inputs.upload(slots, starts, [r.bonus for r in reqs])
+        window = self.max_window if self.method != "ddtree" else 1 + self.round_budget(len(reqs))
+        key_len = key_bucket(max(starts) + window, self.cache.max_len)
+        captured = self.graphs.get(len(reqs), key_len)
+        sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device,
+                                       self.sampling_inputs)
+        with self.clock.stage("verify"):
+            state = captured.run_forward(batch.slots, batch.starts, roots, batch.first)
+            spec = state["spec"]
+            picks = pick(state["logits"], sampling, state["positions"] + 1, spec.depth_bound + 1)
+        with self.clock.stage("commit"):
+            out = captured.run_commit(picks)
+            scores = self.round_logprobs(state["logits"], out["path"], out["tokens"], reqs, sampling)
+            counts, emitted, logprobs, _, _ = self.read_round(out["num_nodes"], out["tokens"], reqs, None, scores)
+            counts, emitted, logprobs = counts[:real], emitted[:real], logprobs[:real]
+            self.cache.advance(batch, counts)
+            if self.drafter is not None:
+                self.draft_cache.advance(batch, counts)
+        self.last_plan = fixed_plan(real, self.method if self.drafter is not None else "ar", self.block_size,
+                                    self.round_budget(len(reqs)))
+        return emitted, dict(self.clock.seconds), logprobs
+
     # ---- the plan: who drafts, and how ----------------------------------------------------
 
     def plan(self, reqs: list[Request]) -> RoundPlan:
         # (A slot's held-back context is set when it is seated: empty, or its source's.)
         if self.policy is not None:
             return self.policy.plan(reqs)
+        if self.mtp is not None:  # every row verifies the head's chain of k drafts
+            return fixed_plan(len(reqs), "dflash", self.block_size, 0)
         method = self.method if self.drafter is not None else "ar"
         return fixed_plan(len(reqs), method, self.block_size, self.round_budget(len(reqs)))
 
@@ -439,6 +513,9 @@ class ModelRunner:
     def draft(self, batch: SlotBatch, roots: Tensor, plan: RoundPlan, staged: dict[str, Tensor]
               ) -> tuple[TreeSpec, dict | None]:
         """The round's window: drafted rows from the drafter (only those), the rest a lone root."""
+        if self.mtp is not None:
+            with self.clock.stage("draft"):
+                return self.mtp.draft(batch, roots), None
         if not plan.drafting:
             return chain_spec(roots[:, None]), None
         sub = self._draft_batch(batch, plan, staged)
@@ -459,9 +536,10 @@ class ModelRunner:
             parts = []
             if kt:
                 if markov:  # the exact top-budget tree under the selector's Markov draft
-                    parts.append(build_markov_tree(sub_roots[:kt], *(m[:kt] for m in markov), plan.budget))
+                    tree = build_markov_tree(sub_roots[:kt], *(m[:kt] for m in markov), plan.budget)
                 else:
-                    parts.append(self.build(sub_roots[:kt], logits[:kt], plan.budget))
+                    tree = self.run_tree(sub_roots[:kt], logits[:kt], plan.budget)
+                parts.append(self.static_depth(tree, min(logits.shape[1], plan.budget)))
             if sub.size > kt:
                 # Chain rows in a mixed round take the unary argmax chain (scored, so it mixes);
                 # still lossless, only the selector's rescoring is not applied to them.
@@ -474,13 +552,11 @@ class ModelRunner:
                 return place_rows(root_only(roots, plan.window), staged["draft_rows"], part), values
             return part, values
 
-    def build(self, roots: Tensor, logits: Tensor, budget: int) -> TreeSpec:
-        spec = self.run_tree(roots, logits, budget)
-        if self.static:
-            # The builder may stop early (fewer depths than drafted); the static bound keeps mask
-            # and walk shapes fixed. Any bound >= the true depth gives the same result.
-            spec = dataclasses.replace(spec, max_depth=min(logits.shape[1], budget))
-        return spec
+    def static_depth(self, spec: TreeSpec, bound: int) -> TreeSpec:
+        """With static shapes, the tree's depth bound is the drafted one: a builder may stop early
+        (fewer depths than drafted), and compiled code unrolls loops over the bound, so a bound that
+        varied would compile anew. Any bound >= the true depth gives the same result."""
+        return dataclasses.replace(spec, max_depth=bound) if self.static else spec
 
     # ---- what the policy learns from ------------------------------------------------------
 
@@ -664,17 +740,6 @@ def padding_request(slot: int) -> Request:
     req = Request([0], SamplingParams(), request_id="padding")
     req.slot, req.bonus = slot, 0
     return req
-
-
-def _build_tree(roots: Tensor, logits: Tensor, budget: int) -> TreeSpec:
-    # Without the CPU-only early stop when the builder offers the switch: it reads host scalars,
-    # which would split compiled code (and is off on other devices anyway).
-    if _BUILD_PRUNES:
-        return build_tree(roots, logits, budget, prune=False)
-    return build_tree(roots, logits, budget)
-
-
-_BUILD_PRUNES = "prune" in inspect.signature(build_tree).parameters
 
 
 def path_codes(spec: TreeSpec, path: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from flashtree.models.mask import causal_window_mask, path_taps, tree_ancestor_mask, tree_window_mask
+from flashtree.models.mask import additive, causal_window_mask, path_taps, tree_ancestor_mask, tree_window_mask
 from flashtree.tree import TreeSpec, ancestor_table
 
 if TYPE_CHECKING:
@@ -31,11 +31,22 @@ class SlotBatch:
     start_list: list[int]
     slots: Tensor  # [R] int64 on the cache's device
     starts: Tensor  # [R] int64: committed length = the row (and position) the window starts at
-    contiguous: bool = field(init=False)  # slots are 0..R-1, so cache reads can slice instead of gather
+    first: int | None = field(init=False)  # slots are first..first+R-1: cache reads slice in place
+    uniform: bool = field(init=False)  # every slot starts at the same length
 
     def __post_init__(self) -> None:
-        # A plain bool, not a property over slot_list: compiled code guards on it, not on the list.
-        self.contiguous = self.slot_list == list(range(len(self.slot_list)))
+        # Plain values, not properties over the lists: compiled code guards on them, not on the lists.
+        s = self.slot_list
+        self.first = s[0] if s and s == list(range(s[0], s[0] + len(s))) else None
+        self.uniform = len(set(self.start_list)) <= 1
+
+    @classmethod
+    def captured(cls, slots: Tensor, starts: Tensor) -> SlotBatch:
+        """A batch held in a captured round's static buffers: its kernels see only the tensors, so
+        no host fact (consecutive slots, equal starts) may choose a code path."""
+        batch = cls([], [], slots, starts)
+        batch.first, batch.uniform = None, False
+        return batch
 
     @classmethod
     def of(cls, cache: KVCache, slots: list[int]) -> SlotBatch:
@@ -69,7 +80,7 @@ class ForwardContext:
     parents: Tensor  # [R, N] window node index of each node's parent (-1 for the first)
     depths: Tensor  # [R, N] depth in the window (0 for the first node)
     key_len: int  # cache rows every query spans (committed prefix + window, padded)
-    mask: Tensor | None  # [R, 1, N, key_len] True = visible; None for drafter blocks
+    attn_bias: Tensor | None  # [R, 1, N, key_len] additive (0 visible, -inf not); None: every key visible
     is_chain: bool  # a causal chain: node i's parent is i - 1 (prefill, AR, DFlash, drafter blocks)
     keep_all: bool = False  # prefill: commit keeps the whole window
     ancestors: Tensor | None = None  # [R, N, D+1] ancestor table of a tree (flashtree.tree.ancestor_table)
@@ -113,7 +124,8 @@ class ForwardContext:
         taps = path_taps(table, tree.depths, cache.path_taps) if cache.path_taps else None
         rows = batch.starts[:, None] + torch.arange(n, device=batch.starts.device)
         return cls(cache, batch, positions=batch.starts[:, None] + tree.depths, rows=rows, parents=tree.parents,
-                   depths=tree.depths, key_len=key_len, mask=tree_window_mask(batch.starts, anc, key_len),
+                   depths=tree.depths, key_len=key_len,
+                   attn_bias=additive(tree_window_mask(batch.starts, anc, key_len), cache.dtype),
                    is_chain=False, ancestors=table, tree_mask=anc[:, None], taps=taps)
 
     @classmethod
@@ -130,6 +142,9 @@ class ForwardContext:
         idx = torch.arange(n, device=batch.starts.device)
         rows = batch.starts[:, None] + idx
         r = batch.size
-        mask = causal_window_mask(batch.starts, n, key_len) if with_mask else None
+        bias = None
+        if with_mask and not (n == 1 and batch.uniform and key_len == batch.max_start + 1):
+            # A one-token window over exactly its slots' keys sees them all: no mask, flash-eligible.
+            bias = additive(causal_window_mask(batch.starts, n, key_len), cache.dtype)
         return cls(cache, batch, positions=rows, rows=rows, parents=(idx - 1).expand(r, n), depths=idx.expand(r, n),
-                   key_len=key_len, mask=mask, is_chain=True, keep_all=keep_all)
+                   key_len=key_len, attn_bias=bias, is_chain=True, keep_all=keep_all)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 CHUNK = 64  # prefill chunk of the delta rule: the per-chunk solve is CHUNK x CHUNK per head
@@ -61,13 +62,16 @@ def delta_rule_window(
     chain). Returns outputs [R, H, N, dv], deltas [R, H, N, dv] and path decays c [R, H, N].
     """
     n = q.shape[2]
+    if n == 1:
+        return delta_rule_step(q, k, v, g, beta, state)
     if mask is None:
         c = g.cumsum(-1)
         mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
     else:
         c = (mask.to(g.dtype) @ g[..., None])[..., 0]
+    hidden = ~mask
     # gamma[i, j] = exp(c_i - c_j) on ancestor pairs (<= 1 there), 0 elsewhere; masked before exp.
-    gamma = decay_exp((c[..., :, None] - c[..., None, :]).masked_fill(~mask, float("-inf")))
+    gamma = decay_exp((c[..., :, None] - c[..., None, :]).masked_fill(hidden, float("-inf")))
     decay = decay_exp(c)
     kk = (k @ k.transpose(-1, -2)) * beta[..., None]
     # deltas = (I + T)^-1 (beta v) - exp(c) * [(I + B)^-1 (beta k)] S_0, with T = beta kk gamma and
@@ -75,10 +79,21 @@ def delta_rule_window(
     # conjugated by diag(exp(c)), so it carries no decays and its solution stays O(1) instead of
     # sinking into subnormals along long chains.
     u = torch.linalg.solve_triangular(kk * gamma, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(kk.masked_fill(~mask, 0), k * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(kk.masked_fill(hidden, 0), k * beta[..., None], upper=False, unitriangular=True)
     deltas = u - decay[..., None] * (w @ state)
     out = (q * decay[..., None]) @ state + ((q @ k.transpose(-1, -2)) * gamma) @ deltas
     return out, deltas, c
+
+
+def delta_rule_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """delta_rule_window for a one-node window (an AR step), where both solves are the identity:
+    d = beta (v - exp(g) k S_0) and out = exp(g) q S_0 + (q . k) d."""
+    decay = decay_exp(g)[..., None]  # [R, H, 1, 1]
+    b = beta[..., None]
+    deltas = b * torch.addcmul(v, decay, k @ state, value=-1)
+    out = torch.addcmul(decay * (q @ state), q @ k.transpose(-1, -2), deltas)
+    return out, deltas, g
 
 
 def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
@@ -95,8 +110,8 @@ def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
 
 def decay_exp(x: Tensor) -> Tensor:
-    """exp of log-decays x <= 0, exactly 0 below exp(-DECAY_FLOOR)."""
-    return torch.where(x < -DECAY_FLOOR[x.dtype], float("-inf"), x).exp()
+    """exp of log-decays x <= 0, exactly 0 at and below exp(-DECAY_FLOOR)."""
+    return F.threshold(x, -DECAY_FLOOR[x.dtype], float("-inf")).exp()
 
 
 def advance_state(state: Tensor, keys: Tensor, deltas: Tensor, decay: Tensor, last: Tensor, weight: Tensor) -> Tensor:

@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from flashtree.cache import KVCache, SlidingDraftCache
 from flashtree.errors import FlashtreeError
 from flashtree.models.context import ForwardContext
-from flashtree.models.layers import MLP, RMSNorm, Rotary, apply_rotary, attention, rope_parameters
-from flashtree.models.mask import block_mask
+from flashtree.models.layers import MLP, RMSNorm, Rope, Rotary, apply_rotary, attention, rope_parameters
+from flashtree.models.mask import additive, block_mask
 from flashtree.models.transformer import Attention
 
 
@@ -108,26 +108,20 @@ class DraftAttention(Attention):
     trailing rows of the fused weight (one matmul over that contiguous slice, no wasted q).
     """
 
-    def kv(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    def kv(self, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor]:
         """Rotated K and V [R, n, Hkv, D] for hidden states x [R, n, d]."""
-        k, v = self.qkv_proj.project(x, "k_proj", "v_proj").split(self.qkv_proj.sizes[1:], dim=-1)
-        return self.rotate_kv(k, v, rope)
-
-    def rotate_kv(self, k: Tensor, v: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        r, n, _ = k.shape
-        k = self.k_norm(k.view(r, n, self.num_kv_heads, self.head_dim))
-        k = apply_rotary(k.transpose(1, 2), *rope).transpose(1, 2)
-        return k, v.view(r, n, self.num_kv_heads, self.head_dim)
-
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], ctx: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
         r, n, _ = x.shape
-        q, k, v = self.qkv_proj(x)
-        q = self.q_norm(q.view(r, n, self.num_heads, self.head_dim))
-        q = apply_rotary(q.transpose(1, 2), *rope)
-        k, v = self.rotate_kv(k, v, rope)
+        k, v = self.qkv_proj.project(x, "k_proj", "v_proj").view(r, n, 2 * self.num_kv_heads, self.head_dim).chunk(2, 2)
+        return apply_rotary(self.k_norm(k), rope), v
+
+    def forward(self, x: Tensor, rope: Rope, ctx: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
+        r, n, _ = x.shape
+        h, hkv = self.num_heads, self.num_kv_heads
+        q, k, v = self.qkv_proj.fused(x).view(r, n, h + 2 * hkv, self.head_dim).split([h, hkv, hkv], dim=2)
+        q, k = apply_rotary(torch.cat([self.q_norm(q), self.k_norm(k)], dim=2), rope).split([h, hkv], dim=2)
         keys = torch.cat([ctx[0], k.transpose(1, 2)], dim=2)
         values = torch.cat([ctx[1], v.transpose(1, 2)], dim=2)
-        out = attention(q, keys, values, mask, self.head_dim**-0.5)
+        out = attention(q.transpose(1, 2), keys, values, mask, self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(r, n, -1))
 
 
@@ -139,7 +133,7 @@ class DraftBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], ctx: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, ctx: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, ctx, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -213,7 +207,7 @@ class DFlashDrafter(nn.Module):
             in_ring = ring is not None and ring.in_ring(i)
             if (in_ring, window) not in masks:
                 held = ring.ring_positions(ctx) if in_ring else keys
-                masks[in_ring, window] = block_mask(held, ctx.starts, ctx.positions, window)
+                masks[in_ring, window] = additive(block_mask(held, ctx.starts, ctx.positions, window), x.dtype)
             x = layer(x, rope, ctx.cache.read(i, ctx), masks[in_ring, window])
         return self.norm(x)
 

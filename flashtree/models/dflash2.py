@@ -57,6 +57,7 @@ from torch import Tensor, nn
 
 from flashtree.errors import FlashtreeError
 from flashtree.models.dflash import DFlashArgs, DFlashDrafter, DraftBlock, drafter_config
+from flashtree.models.layers import Rope
 
 ARCHITECTURE = "DFlash2DraftModel"
 SELECTOR_KEYS = ("selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size")
@@ -120,10 +121,10 @@ class BlockConv(nn.Module):
         """Convolve y [..., L, H] along L with base_kernel[side] + delta[..., side]."""
         ys = y.unflatten(-1, (self.groups, self.group_size))  # [..., L, G, gs]
         w = self.base_kernel[side].view(self.taps, self.groups, self.group_size) + delta[..., side, :, :, None]
-        out = w[..., 0, :, :] * ys
-        for t in range(1, min(self.taps, y.shape[-2])):  # taps past the block's start read nothing
-            out = out + w[..., t, :, :] * F.pad(ys[..., :-t, :, :], (0, 0, 0, 0, t, 0))
-        return out.flatten(-2)
+        # Tap t reads slot l - t: the block padded by taps - 1 zero slots in front and windowed (a
+        # view, oldest slot first, so the taps run backwards): one product and one sum for all taps.
+        past = F.pad(ys, (0, 0, 0, 0, self.taps - 1, 0)).unfold(-3, self.taps, 1)  # [..., L, G, gs, taps]
+        return (past * w.flip(-3).movedim(-3, -1)).sum(-1).flatten(-2)
 
 
 class DFlash2Block(DraftBlock):
@@ -144,7 +145,7 @@ class DFlash2Block(DraftBlock):
         d = self.mlp_conv.kernels(h)
         return x + self.mlp_conv(self.mlp(self.mlp_conv(h, d, 0)), d, 1)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], ctx: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, ctx: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
         return self.run(x, lambda h: self.self_attn(h, rope, ctx, mask))
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from flashtree.models.context import ForwardContext
-from flashtree.models.layers import MergedLinear, apply_rotary, attention
+from flashtree.models.layers import MergedLinear, Rope, apply_rotary, attention
 from flashtree.models.qwen3_5_args import Qwen35Args
 from flashtree.models.qwen3_5_norms import ZeroCentredRMSNorm
 
@@ -27,15 +27,16 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCentredRMSNorm(hd, args.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(hd, args.rms_norm_eps)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], ctx: ForwardContext) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, ctx: ForwardContext) -> Tensor:
         r, n, _ = x.shape
+        h, hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qg, k, v = self.qkv_proj(x)
-        q, gate = qg.view(r, n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        k = k.view(r, n, self.num_kv_heads, self.head_dim)
-        v = v.view(r, n, self.num_kv_heads, self.head_dim)
-        q = apply_rotary(self.q_norm(q).transpose(1, 2), *rope)
-        k = apply_rotary(self.k_norm(k).transpose(1, 2), *rope)
-        ctx.cache.write(self.index, ctx, k.transpose(1, 2), v)
+        q, gate = qg.view(r, n, h, 2 * hd).chunk(2, dim=-1)
+        k = k.view(r, n, hkv, hd)
+        v = v.view(r, n, hkv, hd)
+        qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
+        q, k = apply_rotary(qk, rope).split([h, hkv], dim=2)  # one rotation for q and k
+        ctx.cache.write(self.index, ctx, k, v)
         keys, values = ctx.cache.read(self.index, ctx)
-        out = attention(q, keys, values, ctx.mask, self.head_dim**-0.5).transpose(1, 2).reshape(r, n, -1)
+        out = attention(q.transpose(1, 2), keys, values, ctx.attn_bias, hd**-0.5).transpose(1, 2).reshape(r, n, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(r, n, -1)))

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from flashtree.models.context import ForwardContext
 from flashtree.models.delta_rule import DeltaWindow, WindowEnd, delta_rule_chunked, delta_rule_window
 from flashtree.models.qwen3_5_args import Qwen35Args
+from flashtree.models.layers import MergedLinear
 from flashtree.models.qwen3_5_norms import GatedRMSNorm
 
 
@@ -29,10 +30,9 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = self.num_k_heads * self.dk, self.num_v_heads * self.dv
         self.kernel = a.linear_conv_kernel
         conv_dim = a.conv_dim
-        self.in_proj_qkv = nn.Linear(a.hidden_size, conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(a.hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(a.hidden_size, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(a.hidden_size, self.num_v_heads, bias=False)
+        # The checkpoint's four input projections as one matmul.
+        self.in_proj = MergedLinear(a.hidden_size, [("in_proj_qkv", conv_dim), ("in_proj_z", self.value_dim),
+                                                    ("in_proj_b", self.num_v_heads), ("in_proj_a", self.num_v_heads)])
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.kernel, groups=conv_dim, bias=False, padding=self.kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
@@ -44,37 +44,32 @@ class GatedDeltaNet(nn.Module):
         ext = torch.cat([window, u], dim=1)  # [R, K-1+N, C]
         w = self.conv1d.weight[:, 0]  # [C, K]
         if ctx.taps is None:  # a chain: each node's taps are the K inputs ending at it
-            out = F.conv1d(ext.transpose(1, 2).to(w.dtype), w[:, None], groups=w.shape[0])
-            return F.silu(out).transpose(1, 2).to(u.dtype)
+            return F.silu(F.conv1d(ext.transpose(1, 2), w[:, None], groups=w.shape[0])).transpose(1, 2)
         r, n, k = ctx.taps.shape  # a tree: the K inputs on the node's path (ctx builds the index once)
         taps = ext.gather(1, ctx.taps.reshape(r, n * k, 1).expand(-1, -1, ext.shape[2]))
-        out = (taps.view(r, n, k, -1) * w.t()).sum(2)
-        return F.silu(out).to(u.dtype)
+        return F.silu((taps.view(r, n, k, -1) * w.t()).sum(2))
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         r, n, _ = x.shape
         cache = ctx.cache
-        slots = ctx.slots
-        u = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).view(r, n, self.num_v_heads, self.dv)
+        hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.dk, self.dv
+        u, z, b, a = self.in_proj(x)
         f = cache.state.dtype  # the recurrence runs in float32 (float64 for a float64 model)
-        beta = self.in_proj_b(x).sigmoid().to(f)
-        g = -self.A_log.to(f).exp() * F.softplus(self.in_proj_a(x).to(f) + self.dt_bias)
+        beta = b.sigmoid().to(f).transpose(1, 2)  # [R, H, N]
+        g = (F.softplus(a.to(f) + self.dt_bias) * -self.A_log.to(f).exp()).transpose(1, 2)
 
-        window = cache.conv[self.index, slots]  # [R, K-1, C]
-        mixed = self.conv(u, window, ctx)
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(r, n, self.num_k_heads, self.dk).transpose(1, 2).to(f)
-        k = k.reshape(r, n, self.num_k_heads, self.dk).transpose(1, 2).to(f)
-        v = v.reshape(r, n, self.num_v_heads, self.dv).transpose(1, 2).to(f)
-        if self.num_v_heads != self.num_k_heads:  # each q/k head serves consecutive value heads
-            rep = self.num_v_heads // self.num_k_heads
-            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
-        q = l2norm(q) * self.dk**-0.5
-        k = l2norm(k)
-        beta, g = beta.transpose(1, 2), g.transpose(1, 2)  # [R, H, N]
+        window, state = cache.recurrent_state(self.index, ctx)  # [R, K-1, C], [R, H, dk, dv]
+        mixed = self.conv(u, window, ctx).to(f)
+        # q and k are l2-normalised per head, both at once, in the reference's exact order: the
+        # delta rule's solve amplifies any rounding in the keys. q also takes the 1/sqrt(dk) scale.
+        qk = mixed[..., : 2 * self.key_dim].view(r, n, 2 * hk, dk)
+        qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True) + L2_EPS)
+        q, k = qk.transpose(1, 2).split([hk, hk], dim=1)  # [R, Hk, N, dk]
+        q = q * dk**-0.5
+        v = mixed[..., 2 * self.key_dim :].view(r, n, hv, dv).transpose(1, 2)
+        if hv != hk:  # each q/k head serves consecutive value heads
+            q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
 
-        state = cache.state[self.index, slots]  # [R, H, dk, dv]
         if ctx.keep_all:
             out, end = delta_rule_chunked(q, k, v, g, beta, state)
             ctx.windows[self.index] = WindowEnd(end, torch.cat([window, u], dim=1)[:, -(self.kernel - 1):])
@@ -82,9 +77,8 @@ class GatedDeltaNet(nn.Module):
             out, deltas, c = delta_rule_window(q, k, v, g, beta, state, ctx.tree_mask)
             ctx.windows[self.index] = DeltaWindow(u, k, deltas, c)
 
-        out = self.norm(out.transpose(1, 2).to(x.dtype), z)
+        out = self.norm(out.transpose(1, 2).to(x.dtype), z.view(r, n, hv, dv))
         return self.out_proj(out.reshape(r, n, self.value_dim))
 
 
-def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+L2_EPS = 1e-6  # the l2 norm's epsilon on the sum of squares (as the checkpoints' reference code has it)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -16,13 +17,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype in (torch.float32, torch.float64):
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
-        # Half precision: normalise in float32 and cast back before the weight, as HF does.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # One fused kernel on CUDA; in half precision it accumulates in float32 like HF's
+        # upcast, and it is bit-exact with it in float32 and float64 (tests/test_kernel_budget.py).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def linear_init(out_features: int, in_features: int, *lead: int, bias: bool = False) -> Tensor:
@@ -60,7 +57,11 @@ class MergedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
         """Every part's output, split from one matmul (views of one tensor)."""
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.fused(x).split(self.sizes, dim=-1)
+
+    def fused(self, x: Tensor) -> Tensor:
+        """All parts side by side, as one tensor (in `parts` order)."""
+        return F.linear(x, self.weight, self.bias)
 
     def project(self, x: Tensor, first: str, last: str | None = None) -> Tensor:
         """Only the consecutive parts first..last, one matmul over their rows (a contiguous slice)."""
@@ -145,8 +146,21 @@ def inv_frequencies(head_dim: int, params: dict) -> Tensor:
     )
 
 
+class Rope(NamedTuple):
+    """One forward's rotation, shared by every layer: x -> x * cos + swap(x) * sin.
+
+    cos and sin are [R, N, 1, D] (D = head dim): on rotated channels cos and the signed sin
+    (-sin on the first half, +sin on the second), on channels partial RoPE leaves alone 1 and 0.
+    `swap` exchanges the rotated halves (None: a roll by D/2, when every channel rotates).
+    """
+
+    cos: Tensor
+    sin: Tensor
+    swap: Tensor | None
+
+
 class Rotary(nn.Module):
-    """cos/sin for arbitrary (tree) positions, computed per forward from the positions.
+    """The Rope for arbitrary (tree) positions, computed once per forward from the positions.
 
     The frequencies are kept in float32 outside the state dict, so casting the model to
     bf16 does not round them, and a model built on the meta device still has them (on the
@@ -156,31 +170,36 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, params: dict) -> None:
         super().__init__()
         self._inv_freq = inv_frequencies(head_dim, params)
+        self.head_dim = head_dim
+        rot = 2 * self._inv_freq.shape[0]
+        self._pass = head_dim - rot
+        half = torch.arange(rot // 2, device="cpu")
+        rest = torch.arange(rot, head_dim, device="cpu")
+        self._swap = None if self._pass == 0 else torch.cat([half + rot // 2, half, rest])
 
-    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> Rope:
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
-        freqs = positions.float()[..., None] * self._inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+            self._swap = None if self._swap is None else self._swap.to(positions.device)
+        freqs = positions.float()[..., None] * self._inv_freq  # [R, N, D_rot / 2]
+        cos, sin = freqs.cos(), freqs.sin()
+        parts_cos, parts_sin = [cos, cos], [-sin, sin]
+        if self._pass:
+            parts_cos.append(torch.ones_like(freqs[..., :1]).expand(*freqs.shape[:-1], self._pass))
+            parts_sin.append(torch.zeros_like(freqs[..., :1]).expand(*freqs.shape[:-1], self._pass))
+        return Rope(torch.cat(parts_cos, -1).to(dtype)[..., None, :], torch.cat(parts_sin, -1).to(dtype)[..., None, :],
+                    self._swap)
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+def apply_rotary(x: Tensor, rope: Rope) -> Tensor:
+    """Rotate x [R, N, H, D] (heads third, as projections come out) in three kernels."""
+    swapped = x.roll(x.shape[-1] // 2, -1) if rope.swap is None else x.index_select(-1, rope.swap)
+    return torch.addcmul(x * rope.cos, swapped, rope.sin)
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the first cos.shape[-1] channels of x [R, H, N, D]; the rest pass (partial RoPE)."""
-    rot = cos.shape[-1]
-    if rot == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
-
-
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """SDPA over q [R,H,N,D] and k/v [R,Hkv,S,D] with a boolean mask [R,1,N,S] (True = visible)."""
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """SDPA over q [R,H,N,D] and k/v [R,Hkv,S,D]; mask [R,1,N,S] is additive (0 or -inf) in q's
+    dtype, built once per forward, or None where every key is visible (a flash-eligible call)."""
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
     )

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from flashtree.config import looks_like_hub_id
 from flashtree.errors import FlashtreeError
 
 if TYPE_CHECKING:
@@ -51,19 +52,39 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
             raise FlashtreeError(f"{path} has no config.json; point at an HF checkpoint directory")
         return path
     name = str(name_or_path)
-    looks_like_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
-    if not looks_like_id:
+    if not looks_like_hub_id(name):
         raise FlashtreeError(f"no such model directory: {name}; pass an existing path or a hub id like Qwen/Qwen3-8B")
-    try:
-        from huggingface_hub import snapshot_download
+    return fetch_from_hub(name, HUB_FILES)
 
-        return Path(snapshot_download(name, allow_patterns=HUB_FILES))
-    except Exception as e:  # offline, unknown repo, gated repo: all end the same way for the user
-        reason = type(e).__name__
-        raise FlashtreeError(
-            f"could not fetch {name!r} from the Hugging Face hub ({reason}); "
-            "check the id and your connection, or download it and pass the local directory"
-        ) from None
+
+def fetch_from_hub(name: str, patterns: list[str]) -> Path:
+    """The local snapshot of hub id `name` (its files matching `patterns`), downloaded if need be.
+    Failing, one line that says first whether the hub could be reached at all."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.utils import (GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled,
+                                       RepositoryNotFoundError)
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns))
+    except LocalEntryNotFoundError as e:  # not cached, and the hub was not asked or did not answer
+        if isinstance(e.__cause__, OfflineModeIsEnabled) or constants.HF_HUB_OFFLINE:
+            raise FlashtreeError(f"{name!r} is a Hugging Face hub id, but HF_HUB_OFFLINE is set and it is not in the "
+                                 f"local cache ({constants.HF_HUB_CACHE}); unset HF_HUB_OFFLINE, or pass a local "
+                                 "directory") from None
+        cause = e.__cause__ or e.__context__
+        reason = f"{type(cause).__name__}: {cause}" if cause is not None else "no answer"
+        raise FlashtreeError(f"cannot reach the Hugging Face hub ({constants.ENDPOINT}: {reason.splitlines()[0]}) "
+                             f"and {name!r} is not in the local cache; check the connection, or pass a local "
+                             "directory") from None
+    except GatedRepoError:
+        raise FlashtreeError(f"{name!r} is gated on the Hugging Face hub: accept its terms on the model page and "
+                             "log in (`hf auth login`), or pass a local directory") from None
+    except RepositoryNotFoundError:
+        raise FlashtreeError(f"no model {name!r} on the Hugging Face hub (or it is private); check the id, or pass a "
+                             "local directory") from None
+    except Exception as e:  # anything else the hub client raises
+        raise FlashtreeError(f"could not fetch {name!r} from the Hugging Face hub ({type(e).__name__}); check the id "
+                             "and your connection, or download it and pass the local directory") from None
 
 
 # ---- configs through transformers ----------------------------------------------------------------
@@ -291,8 +312,12 @@ def checkpoint_files(path: Path) -> list[str]:
     return files
 
 
-def plan_load(model: nn.Module, path: Path, convert=None) -> LoadPlan:
-    """Match every tensor of the checkpoint's headers to the model: names, shapes, coverage."""
+def plan_load(model: nn.Module, path: Path, convert=None, scope: str | None = None) -> LoadPlan:
+    """Match every tensor of the checkpoint's headers to the model: names, shapes, coverage.
+
+    scope: load only the tensors under this prefix, as the model's own names (an MTP head's
+    `mtp.`); None reads the target's, under the `model.` prefixes, skipping IGNORED.
+    """
     from safetensors import safe_open
 
     layout = checkpoint_layout(model)
@@ -301,7 +326,7 @@ def plan_load(model: nn.Module, path: Path, convert=None) -> LoadPlan:
     plan = LoadPlan(path, checkpoint_files(path))
     filled = dict.fromkeys(params, 0)
     found: dict[str, str] = {}  # our-layout name -> file
-    stored_prefix = "model."
+    stored_prefix = scope or "model."
     kind = type(model).__name__
 
     def check(file: str, name: str, key: str, shape: tuple) -> tuple[str, tuple]:
@@ -321,10 +346,17 @@ def plan_load(model: nn.Module, path: Path, convert=None) -> LoadPlan:
     for file in plan.files:
         with safe_open(str(path / file), framework="pt") as f:
             for name in f.keys():
-                key = strip_prefix(name)
-                if key != name and key.startswith("layers."):
-                    stored_prefix = name[: len(name) - len(key)]
-                if key.startswith(IGNORED) or key in aliases:
+                if scope is not None:
+                    if not name.startswith(scope):
+                        continue
+                    key = name[len(scope):]
+                else:
+                    key = strip_prefix(name)
+                    if key != name and key.startswith("layers."):
+                        stored_prefix = name[: len(name) - len(key)]
+                    if key.startswith(IGNORED):
+                        continue
+                if key in aliases:
                     continue
                 shape = tuple(f.get_slice(name).get_shape())
                 if key not in layout and convert is not None:
@@ -426,15 +458,16 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def load_checkpoint(model: nn.Module, path: Path, device: torch.device, convert=None,
-                    tp: TensorParallel | None = None) -> None:
+                    tp: TensorParallel | None = None, scope: str | None = None) -> None:
     """Fill a model built on the meta device from the safetensors checkpoint in `path`.
 
     convert(name, tensor) -> {name: tensor}: the model's per-tensor format conversion, for
     checkpoint tensors its layout does not name (Qwen3-Next's packed projections).
     tp: cut the model to this rank's slice after checking the checkpoint against the full model,
     and read only that slice of each tensor.
+    scope: the checkpoint's tensors under this prefix fill the model (see plan_load).
     """
-    plan = plan_load(model, path, convert)
+    plan = plan_load(model, path, convert, scope)
     shards = None
     if tp is not None:
         from flashtree.parallel.shard import shard_model, zero_rank0_only

@@ -28,6 +28,13 @@ def tree_window_mask(starts: Tensor, ancestors: Tensor, key_len: int) -> Tensor:
     return ((rel < 0) | (picked & inside))[:, None]
 
 
+def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A boolean mask (True = visible) as SDPA's additive bias in the compute dtype: built once per
+    forward, so no layer's SDPA converts it again."""
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device),
+                       torch.full((), float("-inf"), dtype=dtype, device=mask.device))
+
+
 def _relative_keys(starts: Tensor, key_len: int) -> Tensor:
     """[R, 1, key_len]: each key row's offset from its slot's window start."""
     return torch.arange(key_len, device=starts.device)[None, None, :] - starts[:, None, None]

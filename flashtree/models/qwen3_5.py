@@ -21,7 +21,7 @@ from flashtree.cache import HybridCache
 from flashtree.models.context import ForwardContext
 from flashtree.models.gated_attention import GatedAttention
 from flashtree.models.gated_deltanet import GatedDeltaNet
-from flashtree.models.layers import MLP
+from flashtree.models.layers import MLP, Rope
 from flashtree.models.moe import SparseMoE
 from flashtree.models.qwen3_5_args import Qwen35Args
 from flashtree.models.qwen3_5_norms import ZeroCentredRMSNorm
@@ -46,7 +46,7 @@ class Block(nn.Module):
         self.input_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], ctx: ForwardContext) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, ctx: ForwardContext) -> Tensor:
         h = self.input_layernorm(x)
         x = x + (self.linear_attn(h, ctx) if self.linear else self.self_attn(h, rope, ctx))
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -9,7 +9,8 @@ from torch import Tensor, nn
 
 
 class ZeroCentredRMSNorm(nn.Module):
-    """Zero-centred RMSNorm: scales by (1 + weight), in float32, then casts (Qwen3.5's order)."""
+    """Zero-centred RMSNorm: scales by (1 + weight). In half precision as y + y * weight, so the
+    weights, which sit near 0, are never rounded as 1 + w; in float32/64 exactly HF's y * (1 + w)."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -17,9 +18,10 @@ class ZeroCentredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = x.to(torch.promote_types(x.dtype, torch.float32))
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.to(y.dtype))).to(x.dtype)
+        if x.dtype in (torch.float32, torch.float64):
+            return F.rms_norm(x, self.weight.shape, 1.0 + self.weight, self.eps)
+        y = F.rms_norm(x, self.weight.shape, eps=self.eps)
+        return torch.addcmul(y, y, self.weight)
 
 
 class GatedRMSNorm(nn.Module):
@@ -31,8 +33,4 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
-        dtype = x.dtype
-        f = torch.promote_types(dtype, torch.float32)
-        y = x.to(f)
-        y = self.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (y * F.silu(gate.to(f))).to(dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps) * F.silu(gate)

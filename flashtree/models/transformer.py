@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from flashtree.cache import KVCache
 from flashtree.models.context import ForwardContext
-from flashtree.models.layers import MLP, MergedLinear, RMSNorm, Rotary, apply_rotary, attention, rope_parameters
+from flashtree.models.layers import MLP, MergedLinear, RMSNorm, Rope, Rotary, apply_rotary, attention, rope_parameters
 
 
 @dataclass
@@ -75,20 +75,16 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], ctx: ForwardContext) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, ctx: ForwardContext) -> Tensor:
         r, n, _ = x.shape
-        q, k, v = self.qkv_proj(x)
-        q = q.view(r, n, self.num_heads, self.head_dim)
-        k = k.view(r, n, self.num_kv_heads, self.head_dim)
-        v = v.view(r, n, self.num_kv_heads, self.head_dim)
+        h, hkv = self.num_heads, self.num_kv_heads
+        qk, v = self.qkv_proj.fused(x).view(r, n, h + 2 * hkv, self.head_dim).split([h + hkv, hkv], dim=2)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k = apply_rotary(k.transpose(1, 2), cos, sin)
-        ctx.cache.write(self.layer, ctx, k.transpose(1, 2), v)
+            qk = torch.cat([self.q_norm(qk[:, :, :h]), self.k_norm(qk[:, :, h:])], dim=2)
+        q, k = apply_rotary(qk, rope).split([h, hkv], dim=2)  # one rotation for q and k
+        ctx.cache.write(self.layer, ctx, k, v)
         keys, values = ctx.cache.read(self.layer, ctx)
-        out = attention(q, keys, values, ctx.mask, self.head_dim**-0.5)
+        out = attention(q.transpose(1, 2), keys, values, ctx.attn_bias, self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(r, n, -1))
 
 
@@ -100,7 +96,7 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], ctx: ForwardContext) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, ctx: ForwardContext) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -3,9 +3,10 @@ weight is read: the loader then reads only that slice of each checkpoint tensor.
 
 - Column-parallel (each rank keeps its share of the output rows, by head or channel): every
   part of a fused projection (`MergedLinear`: q/k/v, gate/up; rank r keeps rows
-  [r*s/N, (r+1)*s/N) of each part s), GDN's in_proj_qkv and its conv channels (q, k and v
-  sections split by key head, consistently with the heads), in_proj_z/b/a, dt_bias and A_log
-  (by value head), and each expert's gate/up (both halves along the intermediate dim).
+  [r*s/N, (r+1)*s/N) of each part s), GDN's fused in_proj (its in_proj_qkv part and the conv
+  channels with q, k and v sections split by key head, consistently with the heads; in_proj_z/b/a
+  by value head), dt_bias and A_log (by value head), and each expert's gate/up (both halves along
+  the intermediate dim).
 - K/V heads: split when N divides them; with fewer K/V heads than ranks, each rank keeps the
   one head its query heads read (replicated over N / H_kv ranks).
 - Row-parallel (input columns; the outputs are partial sums): o_proj, down_proj, each expert's
@@ -17,6 +18,8 @@ weight is read: the loader then reads only that slice of each checkpoint tensor.
 - Vocabulary-parallel embedding (masked lookup + all-reduce) and LM head (an all-gather of
   the rank's logits, so every rank walks the same full logits); a tied head shares the slice.
 - Replicated: norms, the MoE router and shared-expert gate, RoPE, the drafter.
+- An MTP head (flashtree.models.mtp) is cut like the target's layers; its `fc` and norms are
+  replicated, and it reads the target's embedding and LM head.
 
 The model's `args` are replaced by the rank's view (its head counts), so `new_cache` sizes the
 rank's cache: K/V of its heads, GDN state and conv window of its heads and channels.
@@ -126,7 +129,8 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> ShardPlan:
             if not isinstance(module, (Attention, GatedAttention, GatedDeltaNet, MLP, SparseMoE)):
                 raise FlashtreeError(f"tensor parallelism cannot split {type(module).__name__} layers")
             module.register_forward_hook(lambda _m, _inputs, out: tp.all_reduce(out))
-    cut.vocabulary()
+    if hasattr(model, "embed_tokens"):  # an MTP head borrows the target's (already split) vocabulary
+        cut.vocabulary()
     model.args = cut.local_args()
     model.tp = tp
     return cut.plan
@@ -150,14 +154,16 @@ class _Cutter:
         setattr(module, attr, nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"),
                                            requires_grad=p.requires_grad))
 
-    def merged(self, prefix: str, ml: MergedLinear, keep: list[tuple[int, int]]) -> None:
-        """Each part keeps its rows [start, start + n) (keep[i] for part i)."""
+    def merged(self, prefix: str, ml: MergedLinear, keep: list[tuple[int, int] | list[tuple[int, int]]]) -> None:
+        """Each part keeps its rows [start, start + n) (keep[i] for part i; a list of such ranges
+        for a part whose sections split alike, like GDN's q, k and v)."""
         offsets = [sum(ml.sizes[:i]) for i in range(len(ml.sizes))]
-        pieces = [(o + s, n) for o, (s, n) in zip(offsets, keep)]
+        ranges = [part if isinstance(part, list) else [part] for part in keep]
+        pieces = [(o + s, n) for o, part in zip(offsets, ranges) for s, n in part]
         self._replace(ml, "weight", prefix, 0, pieces)
         if ml.bias is not None:
             self._replace(ml, "bias", prefix, 0, pieces)
-        ml.sizes = [n for _, n in keep]
+        ml.sizes = [sum(n for _, n in part) for part in ranges]
 
     def column(self, prefix: str, linear: nn.Linear, pieces: list[tuple[int, int]]) -> None:
         self._replace(linear, "weight", prefix, 0, pieces)
@@ -199,13 +205,10 @@ class _Cutter:
         rep = m.num_v_heads // m.num_k_heads  # value heads per key head, kept together
         v0, nv = k0 * rep, nk * rep
         qkv = [(k0 * dk, nk * dk), (m.key_dim + k0 * dk, nk * dk), (2 * m.key_dim + v0 * dv, nv * dv)]
-        self.column(prefix + "in_proj_qkv.", m.in_proj_qkv, qkv)
+        self.merged(prefix + "in_proj.", m.in_proj, [qkv, (v0 * dv, nv * dv), (v0, nv), (v0, nv)])
         self._replace(m.conv1d, "weight", prefix + "conv1d.", 0, qkv)
         channels = 2 * nk * dk + nv * dv
         m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = channels
-        self.column(prefix + "in_proj_z.", m.in_proj_z, [(v0 * dv, nv * dv)])
-        for name in ("in_proj_b", "in_proj_a"):
-            self.column(f"{prefix}{name}.", getattr(m, name), [(v0, nv)])
         for attr in ("dt_bias", "A_log"):
             self._replace(m, attr, prefix, 0, [(v0, nv)])
         self.row(prefix + "out_proj.", m.out_proj, v0 * dv, nv * dv)

@@ -272,7 +272,7 @@ class BlockDrafter(nn.Module):
 
             def attention(h: Tensor) -> Tensor:  # [S, m*B, d] -> [S, m*B, d]
                 q = attn.q_norm(attn.qkv_proj.project(h, "q_proj").view(s, m * b, attn.num_heads, attn.head_dim))
-                q = apply_rotary(q.transpose(1, 2), *rope)
+                q = apply_rotary(q, rope).transpose(1, 2)
                 bk, bv = attn.kv(h, rope)
                 ck, cv = attn.kv(ctx, ctx_rope)
                 out = attend(q, ck.transpose(1, 2), cv.transpose(1, 2), bk.transpose(1, 2), bv.transpose(1, 2),
