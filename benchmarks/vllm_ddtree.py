@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from flashtree.bench.jobs import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "flashtree" / "assets" / "demo"
@@ -96,18 +96,10 @@ def tokenize_prompts(target: Path, suites: list[str], per_suite: int) -> list[li
 
 
 def run_one(cfg: dict, common: dict) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        job.write_text(json.dumps({**common, **cfg}))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-        proc = subprocess.run([sys.executable, __file__, "--worker", str(job), str(out)], env=env,
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-            raise SystemExit(f"vllm_ddtree: {cfg['label']} failed:\n{tail}")
-        return json.loads(out.read_text())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(common["core"]),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    return run_job(sys.executable, __file__, {**common, **cfg}, env, cfg["label"])
 
 
 def main() -> None:
@@ -124,6 +116,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--concurrency", type=int, default=1, help="requests in flight (1: one prompt at a time)")
     ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--core", type=int, default=0, help="the core vLLM binds its thread to")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's torch.compile)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
@@ -133,7 +126,8 @@ def main() -> None:
     configs = [parse_config(c) for c in args.configs]
     common = {"target": args.target, "drafter": args.drafter, "depth": args.depth, "max_tokens": args.max_tokens,
               "prompts": tokenize_prompts(Path(args.target), args.suites, args.per_suite),
-              "max_model_len": args.max_model_len, "concurrency": args.concurrency, "eager": args.eager}
+              "max_model_len": args.max_model_len, "concurrency": args.concurrency, "eager": args.eager,
+              "core": args.core}
     best: dict[str, dict] = {}
     for p in range(args.passes):
         for cfg in configs:
