@@ -122,6 +122,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(*args.worker)
+    if not 0 <= args.core < (os.cpu_count() or 1):
+        raise SystemExit(f"vllm_ddtree: core {args.core} does not exist on this machine ({os.cpu_count()} cores)")
 
     configs = [parse_config(c) for c in args.configs]
     common = {"target": args.target, "drafter": args.drafter, "depth": args.depth, "max_tokens": args.max_tokens,
