@@ -199,7 +199,8 @@ def apply_rotary(x: Tensor, rope: Rope) -> Tensor:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """SDPA over q [R,H,N,D] and k/v [R,Hkv,S,D]; mask [R,1,N,S] is additive (0 or -inf) in q's
-    dtype, built once per forward, or None where every key is visible (a flash-eligible call)."""
+    dtype, built once per forward, or a CausalBias (a causal window over exactly its keys), or None
+    where every key is visible: the last two are flash-eligible calls."""
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
     )
