@@ -71,10 +71,10 @@ def test_padded_keys_are_masked_away(tmp_path):
     torch.testing.assert_close(logits(model, exact, tokens), logits(model, padded, tokens), rtol=0, atol=1e-10)
 
 
-def test_a_causal_window_over_exact_keys_takes_a_causal_bias(tmp_path, monkeypatch):
+def test_a_causal_window_over_exact_keys_needs_no_mask_tensor(tmp_path, monkeypatch):
     """A chain after a prefix, all rows at one length with exactly their keys: the lower-right
-    CausalBias (flash-eligible on CUDA; forced here on the CPU) gives the masked path's logits; a
-    window from position 0 takes the upper-left one on every device."""
+    CausalBias (flash-eligible on CUDA; forced here on the CPU, which keeps its bias) gives the
+    masked path's logits; a window from position 0 takes SDPA's own causal mask on every device."""
     import flashtree.models.mask as mask
 
     model, cache = filled(tmp_path)
@@ -89,5 +89,6 @@ def test_a_causal_window_over_exact_keys_takes_a_causal_bias(tmp_path, monkeypat
     fresh = model.new_cache(1, 64)
     prompt = torch.tensor([[2, 7, 1, 8, 2, 8]])
     first = ForwardContext.prefill(fresh, [0], 6)
-    assert type(first.attn_bias).__name__ == "CausalBias"
-    torch.testing.assert_close(logits(model, first, prompt), logits(model, masked(first), prompt), rtol=0, atol=1e-10)
+    assert first.attn_bias is None and first.causal
+    ref = dataclasses.replace(masked(first), causal=False)
+    torch.testing.assert_close(logits(model, first, prompt), logits(model, ref, prompt), rtol=0, atol=1e-10)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 
 def causal_window_mask(starts: Tensor, n: int, key_len: int) -> Tensor:
@@ -36,16 +35,15 @@ def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
                        torch.full((), float("-inf"), dtype=dtype, device=mask.device))
 
 
-def exact_causal(n: int, key_len: int, device: torch.device) -> Tensor | None:
-    """A causal window of n queries over exactly key_len keys (every row's prefix + window) needs no
-    mask tensor: SDPA takes a CausalBias and picks a flash kernel for it. Its lower-right form (a
-    window after a prefix) is flash-eligible on CUDA only; on the CPU SDPA would build the mask in
-    every layer, so the caller keeps its one additive bias (None here)."""
-    if n == key_len:
-        return causal_upper_left(n, n)
-    if lower_right_flash(device):
-        return causal_lower_right(n, key_len)
-    return None
+def lower_right_causal(n: int, key_len: int, device: torch.device) -> Tensor | None:
+    """A causal window of n queries after a prefix, over exactly its key_len keys, as SDPA's
+    lower-right CausalBias: flash-eligible on CUDA, so no mask tensor. On the CPU SDPA would build
+    the mask in every layer, so the caller keeps its one additive bias (None here)."""
+    if not lower_right_flash(device):
+        return None
+    from torch.nn.attention.bias import causal_lower_right  # imports dynamo (~70 MB): only where it is used
+
+    return causal_lower_right(n, key_len)
 
 
 def lower_right_flash(device: torch.device) -> bool:
