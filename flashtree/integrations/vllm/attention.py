@@ -13,7 +13,6 @@ import functools
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from vllm import _custom_ops as ops
 from vllm.config import get_layers_from_vllm_config
@@ -85,23 +84,40 @@ def tree_attention(impl: CPUAttentionBackendImpl, query: Tensor, kv_cache: Tenso
     """Attention of every tree row: all of its request's committed keys, then its ancestors and itself.
 
     Every key is read from the paged cache, the tree's own too: vLLM wrote node i's K/V at the
-    slot of position prefix + i before this call. The mask hides the rest of the gathered blocks.
-    The query heads that share a KV head ride as extra rows of it, so SDPA sees no head grouping.
+    slot of position prefix + i before this call. The mask hides the rest of the columns read.
+    Keys stay in the cache's transposed [dim, block] layout, which is the right operand of q @ K^T
+    as it is, so a tree whose blocks are consecutive is attended without copying its K/V. The query
+    heads that share a KV head ride as extra rows of it.
     """
     Rt, N = plan.rows.shape
     heads, kv_heads, dim = impl.num_heads, impl.num_kv_heads, impl.head_size
     group = heads // kv_heads
-    blocks, mask = plan.attention_inputs(block_table, kv_cache.shape[2], group, kv_cache.dtype)
-    keys, values = paged_kv(kv_cache, blocks)
+    _, _, block, _ = kv_cache.shape
+    tree = plan.attention(block_table, block, kv_heads, group)
+    nblk, columns = tree.blocks.shape[1], tree.columns
+    if tree.first_block is not None:
+        cached = kv_cache[tree.first_block:tree.first_block + nblk]
+    else:
+        cached = kv_cache.index_select(0, tree.blocks.flatten())
+    cached = cached.view(Rt, nblk, kv_heads, 2, dim * block)
+    keys_t = cached[:, :, :, 0].view(Rt, nblk, kv_heads, dim, block)
+    values = cached[:, :, :, 1].view(Rt, nblk, kv_heads, block, dim)
+    if nblk == 1:
+        keys_t, values = keys_t[:, 0], values[:, 0]
+    else:
+        keys_t = keys_t.permute(0, 2, 3, 1, 4).reshape(Rt, kv_heads, dim, nblk * block)
+        values = values.transpose(1, 2).reshape(Rt, kv_heads, nblk * block, dim)
+    keys_t = keys_t.flatten(0, 1)[..., :columns].float()
+    values = values.flatten(0, 1)[:, :columns].float()
     rows = plan.row_slice
     q = query[rows] if rows is not None else query[plan.rows.flatten()]
-    q = q.view(Rt, N, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(Rt, kv_heads, group * N, dim)
-    out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, scale=impl.scale)
-    out = out.view(Rt, kv_heads, group, N, dim).permute(0, 3, 1, 2, 4).reshape(Rt, N, heads, dim)
+    q = q.view(Rt, N, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(Rt * kv_heads, group * N, dim).float()
+    scores = torch.baddbmm(tree.mask, q, keys_t, alpha=impl.scale)
+    out = torch.bmm(scores.softmax(-1), values).view(Rt, kv_heads, group, N, dim).permute(0, 3, 1, 2, 4)
     if rows is not None:
-        output.view(-1, heads, dim)[rows] = out.reshape(Rt * N, heads, dim).to(output.dtype)
+        output.view(-1, kv_heads, group, dim)[rows].view(Rt, N, kv_heads, group, dim).copy_(out)
     else:
-        output.view(-1, heads, dim)[plan.rows[plan.valid]] = out[plan.valid].to(output.dtype)
+        output.view(-1, heads, dim)[plan.rows[plan.valid]] = out[plan.valid].reshape(-1, heads, dim).to(output.dtype)
 
 
 def move_kv(kv_cache: Tensor, src: Tensor, dst: Tensor) -> None:
