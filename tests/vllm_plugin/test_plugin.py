@@ -246,7 +246,7 @@ def test_move_kv_copies_slots_in_the_cache_layout():
     k, v = torch.randn(blocks * block, heads, dim, generator=gen), torch.randn(blocks * block, heads, dim, generator=gen)
     ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, torch.arange(blocks * block), "vec")
     src, dst = torch.tensor([35, 40, 70]), torch.tensor([33, 34, 35])  # the last destination was the first source
-    move_kv(cache, src, dst)
+    move_kv([cache], src, dst)
     keys, values = paged_kv(cache, torch.arange(blocks)[None])
     expected_k, expected_v = k.clone(), v.clone()
     expected_k[dst], expected_v[dst] = k[src], v[src]
@@ -273,6 +273,39 @@ def test_walk_bookkeeping_moves_the_accepted_path():
     assert drafter_order(walked, 10).tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 6, 9]
     sampled = torch.tensor([[1, -1], [4, -1], [5, 6]], dtype=torch.int32)
     assert output_rows(sampled, walked).tolist() == [[1, -1, -1], [20, 30, 77], [5, 6, -1]]
+
+
+def test_walk_on_the_host_is_flashtrees_accept_walk():
+    """The plugin's host walk accepts what flashtree's accept_walk accepts, on built trees (a cut one
+    among them) with picks that follow the trees for a while, then leave them."""
+    from flashtree.integrations.vllm.accept import follow, greedy_picks
+    from flashtree.tree import accept_walk
+
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        R, D, V = 3, 6, 12
+        spec = build_tree(torch.arange(R), torch.randn(R, D, V, generator=gen) * 2, 10)
+        if trial % 2:  # the last row cut to 4 nodes, as the scheduler may cut it
+            N = spec.tokens.shape[1]
+            cut = torch.arange(N) >= 4
+            spec = dataclasses.replace(spec, tokens=spec.tokens.masked_fill(cut & (torch.arange(R) == R - 1)[:, None], -1),
+                                       sizes=torch.minimum(spec.sizes, torch.tensor([99, 99, 4])))
+        # picks: each node's best child's token with probability 0.7, else a random token
+        N = spec.tokens.shape[1]
+        child = torch.full((R, N), -1, dtype=torch.long)
+        for r in range(R):
+            for i in reversed(range(1, N)):
+                if spec.tokens[r, i] >= 0:
+                    child[r, spec.parents[r, i]] = spec.tokens[r, i]
+        noise = torch.randint(0, V, (R, N), generator=gen)
+        follow_tree = (torch.rand(R, N, generator=gen) < 0.7) & (child >= 0)
+        logits = torch.nn.functional.one_hot(torch.where(follow_tree, child, noise), V).float()
+        picks = greedy_picks(logits)
+        expected = accept_walk(spec, logits.argmax(-1))
+        path, num_nodes, tokens = follow(spec.tokens.numpy(), spec.parents.numpy(), picks.numpy(), spec.depth_bound)
+        assert path.tolist() == expected.path.tolist()
+        assert num_nodes.tolist() == expected.num_nodes.tolist()
+        assert tokens.tolist() == expected.tokens.tolist()
 
 
 def test_tree_book_drafts_trees_for_tree_rows_only():

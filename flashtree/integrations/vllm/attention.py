@@ -12,6 +12,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch import Tensor
 from vllm import _custom_ops as ops
@@ -92,26 +93,28 @@ def tree_attention(impl: CPUAttentionBackendImpl, query: Tensor, kv_cache: Tenso
     Rt, N = plan.rows.shape
     heads, kv_heads, dim = impl.num_heads, impl.num_kv_heads, impl.head_size
     group = heads // kv_heads
-    _, _, block, _ = kv_cache.shape
+    block = kv_cache.shape[2]
     tree = plan.attention(block_table, block, kv_heads, group)
     nblk, columns = tree.blocks.shape[1], tree.columns
     if tree.first_block is not None:
         cached = kv_cache[tree.first_block:tree.first_block + nblk]
     else:
         cached = kv_cache.index_select(0, tree.blocks.flatten())
-    cached = cached.view(Rt, nblk, kv_heads, 2, dim * block)
-    keys_t = cached[:, :, :, 0].view(Rt, nblk, kv_heads, dim, block)
-    values = cached[:, :, :, 1].view(Rt, nblk, kv_heads, block, dim)
-    if nblk == 1:
-        keys_t, values = keys_t[:, 0], values[:, 0]
+    if nblk == 1:  # [Rt * kv_heads, keys transposed | values]: both are views
+        cached = cached.view(Rt * kv_heads, 2 * dim * block)
+        keys_t = cached[:, :dim * block].view(Rt * kv_heads, dim, block)[..., :columns]
+        values = cached[:, dim * block:].view(Rt * kv_heads, block, dim)[:, :columns]
     else:
-        keys_t = keys_t.permute(0, 2, 3, 1, 4).reshape(Rt, kv_heads, dim, nblk * block)
-        values = values.transpose(1, 2).reshape(Rt, kv_heads, nblk * block, dim)
-    keys_t = keys_t.flatten(0, 1)[..., :columns].float()
-    values = values.flatten(0, 1)[:, :columns].float()
+        cached = cached.view(Rt, nblk, kv_heads, 2, dim * block)
+        keys_t = cached[:, :, :, 0].view(Rt, nblk, kv_heads, dim, block).permute(0, 2, 3, 1, 4)
+        keys_t = keys_t.reshape(Rt * kv_heads, dim, nblk * block)[..., :columns]
+        values = cached[:, :, :, 1].view(Rt, nblk, kv_heads, block, dim).transpose(1, 2)
+        values = values.reshape(Rt * kv_heads, nblk * block, dim)[:, :columns]
     rows = plan.row_slice
     q = query[rows] if rows is not None else query[plan.rows.flatten()]
-    q = q.view(Rt, N, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(Rt * kv_heads, group * N, dim).float()
+    q = q.view(Rt, N, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(Rt * kv_heads, group * N, dim)
+    if keys_t.dtype != torch.float32:  # scores and softmax in float32, as SDPA accumulates
+        keys_t, values, q = keys_t.float(), values.float(), q.float()
     scores = torch.baddbmm(tree.mask, q, keys_t, alpha=impl.scale)
     out = torch.bmm(scores.softmax(-1), values).view(Rt, kv_heads, group, N, dim).permute(0, 3, 1, 2, 4)
     if rows is not None:
@@ -120,16 +123,29 @@ def tree_attention(impl: CPUAttentionBackendImpl, query: Tensor, kv_cache: Tenso
         output.view(-1, heads, dim)[plan.rows[plan.valid]] = out[plan.valid].reshape(-1, heads, dim).to(output.dtype)
 
 
-def move_kv(kv_cache: Tensor, src: Tensor, dst: Tensor) -> None:
-    """Copy the K/V at slots `src` to slots `dst` of one CPU_ATTN cache, in its own layout."""
-    nb, heads, block, two_dim = kv_cache.shape
+def slot_elements(shape: torch.Size, slots: Tensor) -> Tensor:
+    """Flat indices of every key and value element stored for `slots` in a CPU_ATTN cache of this shape
+    (per block and head: keys transposed [dim, block], then values [block, dim])."""
+    _, heads, block, two_dim = shape
     dim = two_dim // 2
-    halves = kv_cache.view(nb, heads, 2, dim * block)
-    keys = halves[:, :, 0].unflatten(-1, (dim, block))  # [nb, heads, dim, block]
-    values = halves[:, :, 1].unflatten(-1, (block, dim))  # [nb, heads, block, dim]
-    sb, so, db, do = src // block, src % block, dst // block, dst % block
-    keys[db, :, :, do] = keys[sb, :, :, so]
-    values[db, :, do] = values[sb, :, so]
+    slots = slots.numpy()
+    within = slots % block
+    head_base = ((slots // block * heads)[:, None] + np.arange(heads)) * (block * two_dim)  # [M, heads]
+    d = np.arange(dim)
+    keys = head_base[..., None] + d * block + within[:, None, None]
+    values = head_base[..., None] + dim * block + (within * dim)[:, None, None] + d
+    return torch.from_numpy(np.concatenate([keys.ravel(), values.ravel()]))
+
+
+def move_kv(caches: list[Tensor], src: Tensor, dst: Tensor) -> None:
+    """Copy the K/V at slots `src` to slots `dst` of every cache (same shape, CPU_ATTN layout): one
+    gather and one scatter per layer, with the element indices worked out once."""
+    if not caches:
+        return
+    src_at, dst_at = slot_elements(caches[0].shape, src), slot_elements(caches[0].shape, dst)
+    for cache in caches:
+        flat = cache.view(-1)
+        flat.index_copy_(0, dst_at, flat.index_select(0, src_at))
 
 
 def compact(walked: Walked) -> None:

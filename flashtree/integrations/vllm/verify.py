@@ -46,13 +46,15 @@ class VerifyPlan:
 
     def positions(self) -> tuple[Tensor, Tensor]:
         """(token rows, positions) of every real node: its position is prefix + depth."""
-        pos = self.prefix[:, None] + self.spec.depths
-        return self.rows[self.valid], pos[self.valid]
+        valid = self.valid.numpy()
+        pos = self.prefix.numpy()[:, None] + self.spec.depths.numpy()
+        return torch.from_numpy(self.rows.numpy()[valid]), torch.from_numpy(pos[valid])
 
     def chain_positions(self) -> tuple[Tensor, Tensor]:
         """(token rows, positions) as vLLM assigned them: prefix + node index."""
-        pos = self.prefix[:, None] + torch.arange(self.rows.shape[1])
-        return self.rows[self.valid], pos[self.valid]
+        valid = self.valid.numpy()
+        pos = self.prefix.numpy()[:, None] + np.arange(valid.shape[1])
+        return torch.from_numpy(self.rows.numpy()[valid]), torch.from_numpy(pos[valid])
 
     def attention(self, block_table: Tensor, block: int, kv_heads: int, group: int) -> TreeAttention:
         """The tree attention inputs every target layer shares this step, built by the first layer."""
@@ -102,11 +104,12 @@ def tree_attention_inputs(plan: VerifyPlan, block_table: Tensor, block: int, kv_
     blocks = block_table[plan.req_index, :nblk].long()
     table = blocks.numpy()
     first = int(table[0, 0]) if Rt == 1 and (nblk == 1 or bool((np.diff(table[0]) == 1).all())) else None
-    rel = np.arange(columns)[None] - prefix[:, None]  # [Rt, columns]: node index at each position
-    seen = plan.mask.numpy()[np.arange(Rt)[:, None, None], np.arange(N)[None, :, None],
-                             np.clip(rel, 0, N - 1)[:, None, :]]  # [Rt, N, columns]
-    allowed = (rel < 0)[:, None, :] | ((rel < size[:, None])[:, None, :] & seen)
-    additive = np.where(allowed, np.float32(0), np.float32("-inf"))
+    additive = np.full((Rt, N, columns), -np.inf, dtype=np.float32)
+    seen = np.where(plan.mask.numpy(), np.float32(0), np.float32(-np.inf))
+    for r in range(Rt):  # committed positions, then the tree's nodes under its mask
+        p, n = int(prefix[r]), int(size[r])
+        additive[r, :, :p] = 0
+        additive[r, :, p:p + n] = seen[r, :, :n]
     additive = np.broadcast_to(additive[:, None, None], (Rt, 1 if Rt == 1 else kv_heads, group, N, columns))
     mask = torch.from_numpy(np.ascontiguousarray(additive).reshape(-1, group * N, columns))
     return TreeAttention(first, blocks, columns, mask)
@@ -145,16 +148,17 @@ def plan_verify(book: TreeBook, scheduled: dict[str, list[int]], req_id_to_index
         tokens[j, 1:size] = tree.tokens[:size - 1]
         parents[j, :size] = tree.parents[:size]
         depths[j, :size] = tree.depths[:size]
-    req_index, start, size = (torch.tensor([c[k] for c in chosen]) for k in range(3))
+    req_index, start, size = (np.ascontiguousarray(a) for a in np.array([c[:3] for c in chosen], dtype=np.int64).T)
     # The deepest node bounds the walk and the ancestor table: a cut tree is often shallower than the drafter's block.
     spec = TreeSpec(tokens=torch.from_numpy(tokens), parents=torch.from_numpy(parents),
-                    depths=torch.from_numpy(depths), sizes=size, max_depth=int(depths.max()))
-    node = torch.arange(N)
+                    depths=torch.from_numpy(depths), sizes=torch.from_numpy(size), max_depth=int(depths.max()))
+    node = np.arange(N)
     first = chosen[0][1]
     adjacent = all(n == N and row == first + j * N for j, (_, row, n, _) in enumerate(chosen))
     return VerifyPlan(
-        req_ids=[c[3] for c in chosen], req_index=req_index, start=start, size=size,
-        prefix=torch.from_numpy(num_computed[req_index.numpy()].astype(np.int64)), spec=spec,
+        req_ids=[c[3] for c in chosen], req_index=torch.from_numpy(req_index), start=torch.from_numpy(start),
+        size=spec.sizes, prefix=torch.from_numpy(num_computed[req_index].astype(np.int64)), spec=spec,
         params=[params[c[3]] for c in chosen], seeds=[book.seed(c[3], params[c[3]]) for c in chosen],
-        rows=start[:, None] + torch.minimum(node, size[:, None] - 1), valid=node < size[:, None],
-        mask=torch.from_numpy(ancestors(parents, spec.max_depth)), row_slice=slice(first, first + Rt * N) if adjacent else None)
+        rows=torch.from_numpy(start[:, None] + np.minimum(node, size[:, None] - 1)),
+        valid=torch.from_numpy(node < size[:, None]), mask=torch.from_numpy(ancestors(parents, spec.max_depth)),
+        row_slice=slice(first, first + Rt * N) if adjacent else None)
