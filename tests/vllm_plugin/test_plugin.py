@@ -173,12 +173,12 @@ def test_paged_kv_reads_what_vllms_cache_op_wrote():
         check_layout(dtype, 128, 64, "vec" if isa == "amx" else isa)
 
 
-@pytest.mark.parametrize("layout", ["adjacent", "gap", "single"])
+@pytest.mark.parametrize("layout", ["adjacent", "gap", "single", "single-block"])
 def test_tree_attention_matches_dense_masked_attention(layout):
     """Tree rows attend their request's committed keys and their own ancestors only, all read from the
     paged cache (vLLM writes a node's K/V at position prefix + node index before attention runs).
     Layouts: two adjacent full trees; a cut tree after another request's rows; one tree whose blocks
-    are consecutive (read as a slice of the cache)."""
+    are consecutive (read as strided views of the cache), over two blocks or within one."""
     from vllm import _custom_ops as ops
 
     from flashtree.integrations.vllm.attention import tree_attention
@@ -188,9 +188,10 @@ def test_tree_attention_matches_dense_masked_attention(layout):
     heads, kv_heads, dim, block, num_blocks = 4, 2, 64, 32, 8
     cache = torch.zeros(num_blocks, kv_heads, block, 2 * dim)
     key_cache, value_cache = cache.view(num_blocks, kv_heads, 2 * block, dim).chunk(2, dim=2)
-    trees = 1 if layout == "single" else 2
-    prefix = [40, 7][:trees]  # committed tokens of the trees' requests
-    tables = torch.tensor([[3, 4, 0], [6, 0, 0]] if layout == "single" else [[5, 2, 0], [6, 0, 0]],
+    single = layout.startswith("single")
+    trees = 1 if single else 2
+    prefix = [7] if layout == "single-block" else [40, 7][:trees]  # committed tokens of the trees' requests
+    tables = torch.tensor([[3, 4, 0], [6, 0, 0]] if single else [[5, 2, 0], [6, 0, 0]],
                           dtype=torch.int32)
     spec = build_tree(torch.tensor([1, 2][:trees]), torch.randn(trees, 4, 50, generator=gen), 6)
     sizes = torch.tensor([7, 5]) if layout == "gap" else spec.sizes  # a tree the scheduler cut to 5 nodes
@@ -218,9 +219,9 @@ def test_tree_attention_matches_dense_masked_attention(layout):
                       rows=start[:, None] + torch.minimum(node, sizes[:, None] - 1), valid=node < sizes[:, None],
                       mask=mask, row_slice=None if layout == "gap" else slice(0, trees * N))
     impl = type("Impl", (), {"num_heads": heads, "num_kv_heads": kv_heads, "head_size": dim, "scale": dim ** -0.5})
-    out = torch.zeros(T, heads * dim)
+    out = torch.zeros(T, heads * dim) if layout != "single-block" else torch.zeros(T, heads, dim)
     tree_attention(impl, q, cache, tables, plan, out)
-    assert (plan.attention(tables, block, kv_heads, heads // kv_heads).first_block is not None) == (layout == "single")
+    assert (plan.attention(tables, block, kv_heads, heads // kv_heads).first_block is not None) == single
 
     for r in range(trees):
         for i in range(int(sizes[r])):

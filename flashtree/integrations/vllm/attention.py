@@ -24,7 +24,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAtte
 from flashtree.integrations.vllm import settings
 from flashtree.integrations.vllm.accept import Walked, compact_kv
 from flashtree.integrations.vllm.patching import VllmPatch
-from flashtree.integrations.vllm.verify import VerifyPlan
+from flashtree.integrations.vllm.verify import TreeAttention, VerifyPlan
 
 # Cache layouts this module reads: per block and head, keys stored transposed [dim, block] and
 # values [block, dim]. AMX packs bf16 blocks differently, so DDTree runs use "vec" there.
@@ -96,6 +96,11 @@ def tree_attention(impl: CPUAttentionBackendImpl, query: Tensor, kv_cache: Tenso
     block = kv_cache.shape[2]
     tree = plan.attention(block_table, block, kv_heads, group)
     nblk, columns = tree.blocks.shape[1], tree.columns
+    if (tree.first_block is not None and plan.row_slice is not None and kv_cache.dtype == torch.float32
+            and kv_cache.stride()[2:] == (2 * dim, 1) and query.dim() == 3 and output.stride(-1) == 1
+            and (output.dim() == 2 or output.stride()[1:] == (dim, 1))):
+        return one_tree_attention(impl.scale, query, kv_cache, tree, plan.row_slice.start, N, kv_heads, group,
+                                  output)
     if tree.first_block is not None:
         cached = kv_cache[tree.first_block:tree.first_block + nblk]
     else:
@@ -123,18 +128,46 @@ def tree_attention(impl: CPUAttentionBackendImpl, query: Tensor, kv_cache: Tenso
         output.view(-1, heads, dim)[plan.rows[plan.valid]] = out[plan.valid].reshape(-1, heads, dim).to(output.dtype)
 
 
+def one_tree_attention(scale: float, query: Tensor, kv_cache: Tensor, tree: TreeAttention, start: int, N: int,
+                       kv_heads: int, group: int, output: Tensor) -> None:
+    """tree_attention for the common case of one tree in consecutive blocks (float32): every operand is
+    a strided view of the cache, the query and the output, so a layer costs five tensor ops (with
+    one K and one V copy when the tree spans several blocks)."""
+    dim = query.shape[-1]
+    block = kv_cache.shape[2]
+    nblk, columns = tree.blocks.shape[1], tree.columns
+    sb, sh = kv_cache.stride(0), kv_cache.stride(1)
+    base = kv_cache.storage_offset() + tree.first_block * sb
+    if nblk == 1:
+        keys_t = kv_cache.as_strided((kv_heads, dim, columns), (sh, block, 1), base)
+        values = kv_cache.as_strided((kv_heads, columns, dim), (sh, dim, 1), base + dim * block)
+    else:
+        keys_t = kv_cache.as_strided((kv_heads, dim, nblk, block), (sh, block, sb, 1), base)
+        keys_t = keys_t.reshape(kv_heads, dim, nblk * block)[..., :columns]
+        values = kv_cache.as_strided((kv_heads, nblk, block, dim), (sh, sb, dim, 1), base + dim * block)
+        values = values.reshape(kv_heads, nblk * block, dim)[:, :columns]
+    st, sq, sd = query.stride()
+    q = query.as_strided((kv_heads, group, N, dim), (group * sq, sq, st, sd), query.storage_offset() + start * st)
+    scores = torch.baddbmm(tree.mask, q.reshape(kv_heads, group * N, dim), keys_t, alpha=scale)
+    out = torch.bmm(scores.softmax(-1), values)
+    so = output.stride(0)
+    target = output.as_strided((kv_heads, group, N, dim), (group * dim, dim, so, 1), output.storage_offset() + start * so)
+    target.copy_(out.view(kv_heads, group, N, dim))
+
+
 def slot_elements(shape: torch.Size, slots: Tensor) -> Tensor:
-    """Flat indices of every key and value element stored for `slots` in a CPU_ATTN cache of this shape
-    (per block and head: keys transposed [dim, block], then values [block, dim])."""
+    """Flat indices of every key and value element stored for `slots` [..., M] in a CPU_ATTN cache of this
+    shape, as [..., M * 2 * heads * dim] (per block and head: keys transposed [dim, block], then values
+    [block, dim])."""
     _, heads, block, two_dim = shape
     dim = two_dim // 2
-    slots = slots.numpy()
+    slots = slots.numpy()[..., None, None]  # [..., M, 1, 1]
     within = slots % block
-    head_base = ((slots // block * heads)[:, None] + np.arange(heads)) * (block * two_dim)  # [M, heads]
+    head_base = (slots // block * heads + np.arange(heads)[:, None]) * (block * two_dim)  # [..., M, heads, 1]
     d = np.arange(dim)
-    keys = head_base[..., None] + d * block + within[:, None, None]
-    values = head_base[..., None] + dim * block + (within * dim)[:, None, None] + d
-    return torch.from_numpy(np.concatenate([keys.ravel(), values.ravel()]))
+    keys = head_base + d * block + within
+    values = head_base + dim * block + within * dim + d
+    return torch.from_numpy(np.stack([keys, values], -3).reshape(*slots.shape[:-3], -1))
 
 
 def move_kv(caches: list[Tensor], src: Tensor, dst: Tensor) -> None:
@@ -142,7 +175,7 @@ def move_kv(caches: list[Tensor], src: Tensor, dst: Tensor) -> None:
     gather and one scatter per layer, with the element indices worked out once."""
     if not caches:
         return
-    src_at, dst_at = slot_elements(caches[0].shape, src), slot_elements(caches[0].shape, dst)
+    src_at, dst_at = slot_elements(caches[0].shape, torch.stack([src, dst]))
     for cache in caches:
         flat = cache.view(-1)
         flat.index_copy_(0, dst_at, flat.index_select(0, src_at))

@@ -104,15 +104,13 @@ def tree_attention_inputs(plan: VerifyPlan, block_table: Tensor, block: int, kv_
     blocks = block_table[plan.req_index, :nblk].long()
     table = blocks.numpy()
     first = int(table[0, 0]) if Rt == 1 and (nblk == 1 or bool((np.diff(table[0]) == 1).all())) else None
-    additive = np.full((Rt, N, columns), -np.inf, dtype=np.float32)
+    additive = np.full((Rt, 1 if Rt == 1 else kv_heads, group, N, columns), -np.inf, dtype=np.float32)
     seen = np.where(plan.mask.numpy(), np.float32(0), np.float32(-np.inf))
     for r in range(Rt):  # committed positions, then the tree's nodes under its mask
         p, n = int(prefix[r]), int(size[r])
-        additive[r, :, :p] = 0
-        additive[r, :, p:p + n] = seen[r, :, :n]
-    additive = np.broadcast_to(additive[:, None, None], (Rt, 1 if Rt == 1 else kv_heads, group, N, columns))
-    mask = torch.from_numpy(np.ascontiguousarray(additive).reshape(-1, group * N, columns))
-    return TreeAttention(first, blocks, columns, mask)
+        additive[r, ..., :p] = 0
+        additive[r, ..., p:p + n] = seen[r, :, :n]
+    return TreeAttention(first, blocks, columns, torch.from_numpy(additive.reshape(-1, group * N, columns)))
 
 
 def plan_verify(book: TreeBook, scheduled: dict[str, list[int]], req_id_to_index: dict[str, int],
