@@ -173,27 +173,32 @@ def test_paged_kv_reads_what_vllms_cache_op_wrote():
         check_layout(dtype, 128, 64, "vec" if isa == "amx" else isa)
 
 
-@pytest.mark.parametrize("adjacent", [True, False])
-def test_tree_attention_matches_dense_masked_attention(adjacent):
+@pytest.mark.parametrize("layout", ["adjacent", "gap", "single", "single-block"])
+def test_tree_attention_matches_dense_masked_attention(layout):
     """Tree rows attend their request's committed keys and their own ancestors only, all read from the
-    paged cache (vLLM writes a node's K/V at position prefix + node index before attention runs)."""
+    paged cache (vLLM writes a node's K/V at position prefix + node index before attention runs).
+    Layouts: two adjacent full trees; a cut tree after another request's rows; one tree whose blocks
+    are consecutive (read as strided views of the cache), over two blocks or within one."""
     from vllm import _custom_ops as ops
 
     from flashtree.integrations.vllm.attention import tree_attention
-    from flashtree.integrations.vllm.verify import VerifyPlan
+    from flashtree.integrations.vllm.verify import VerifyPlan, ancestors
 
     gen = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, block, num_blocks = 4, 2, 64, 32, 8
     cache = torch.zeros(num_blocks, kv_heads, block, 2 * dim)
     key_cache, value_cache = cache.view(num_blocks, kv_heads, 2 * block, dim).chunk(2, dim=2)
-    prefix = [40, 7]  # committed tokens of the two trees' requests
-    tables = torch.tensor([[5, 2, 0], [6, 0, 0]], dtype=torch.int32)
-    spec = build_tree(torch.tensor([1, 2]), torch.randn(2, 4, 50, generator=gen), 6)
-    sizes = spec.sizes if adjacent else torch.tensor([7, 5])  # a tree the scheduler cut to 5 nodes
+    single = layout.startswith("single")
+    trees = 1 if single else 2
+    prefix = [7] if layout == "single-block" else [40, 7][:trees]  # committed tokens of the trees' requests
+    tables = torch.tensor([[3, 4, 0], [6, 0, 0]] if single else [[5, 2, 0], [6, 0, 0]],
+                          dtype=torch.int32)
+    spec = build_tree(torch.tensor([1, 2][:trees]), torch.randn(trees, 4, 50, generator=gen), 6)
+    sizes = torch.tensor([7, 5]) if layout == "gap" else spec.sizes  # a tree the scheduler cut to 5 nodes
     N = spec.tokens.shape[1]
-    gap = 0 if adjacent else 3  # another request's rows between the trees
-    start = torch.tensor([0, int(sizes[0]) + gap])
-    T = int(start[1] + sizes[1])
+    gap = 3 if layout == "gap" else 0  # another request's rows between the trees
+    start = torch.tensor([0, int(sizes[0]) + gap][:trees])
+    T = int(start[-1] + sizes[-1])
     q = torch.randn(T, heads, dim, generator=gen)
     k = torch.randn(T, kv_heads, dim, generator=gen)
     v = torch.randn(T, kv_heads, dim, generator=gen)
@@ -207,16 +212,18 @@ def test_tree_attention_matches_dense_masked_attention(adjacent):
         ops.cpu_attn_reshape_and_cache(torch.cat([old_k[r], k[rows]]), torch.cat([old_v[r], v[rows]]),
                                        key_cache, value_cache, slots, "vec")
     node = torch.arange(N)
-    plan = VerifyPlan(req_ids=["a", "b"], req_index=torch.tensor([0, 1]), start=start, size=sizes,
+    mask = ancestor_mask(spec)
+    assert torch.equal(torch.from_numpy(ancestors(spec.parents.numpy(), spec.depth_bound)), mask)
+    plan = VerifyPlan(req_ids=["a", "b"][:trees], req_index=torch.arange(trees), start=start, size=sizes,
                       prefix=torch.tensor(prefix), spec=spec, params=[], seeds=[],
                       rows=start[:, None] + torch.minimum(node, sizes[:, None] - 1), valid=node < sizes[:, None],
-                      mask=ancestor_mask(spec), row_slice=slice(0, 2 * N) if adjacent else None)
+                      mask=mask, row_slice=None if layout == "gap" else slice(0, trees * N))
     impl = type("Impl", (), {"num_heads": heads, "num_kv_heads": kv_heads, "head_size": dim, "scale": dim ** -0.5})
-    out = torch.zeros(T, heads * dim)
+    out = torch.zeros(T, heads * dim) if layout != "single-block" else torch.zeros(T, heads, dim)
     tree_attention(impl, q, cache, tables, plan, out)
+    assert (plan.attention(tables, block, kv_heads, heads // kv_heads).first_block is not None) == single
 
-    mask = ancestor_mask(spec)
-    for r in range(2):
+    for r in range(trees):
         for i in range(int(sizes[r])):
             row = int(start[r]) + i
             seen = int(start[r]) + torch.tensor([j for j in range(int(sizes[r])) if mask[r, i, j]])
@@ -240,7 +247,7 @@ def test_move_kv_copies_slots_in_the_cache_layout():
     k, v = torch.randn(blocks * block, heads, dim, generator=gen), torch.randn(blocks * block, heads, dim, generator=gen)
     ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, torch.arange(blocks * block), "vec")
     src, dst = torch.tensor([35, 40, 70]), torch.tensor([33, 34, 35])  # the last destination was the first source
-    move_kv(cache, src, dst)
+    move_kv([cache], src, dst)
     keys, values = paged_kv(cache, torch.arange(blocks)[None])
     expected_k, expected_v = k.clone(), v.clone()
     expected_k[dst], expected_v[dst] = k[src], v[src]
@@ -267,6 +274,39 @@ def test_walk_bookkeeping_moves_the_accepted_path():
     assert drafter_order(walked, 10).tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 6, 9]
     sampled = torch.tensor([[1, -1], [4, -1], [5, 6]], dtype=torch.int32)
     assert output_rows(sampled, walked).tolist() == [[1, -1, -1], [20, 30, 77], [5, 6, -1]]
+
+
+def test_walk_on_the_host_is_flashtrees_accept_walk():
+    """The plugin's host walk accepts what flashtree's accept_walk accepts, on built trees (a cut one
+    among them) with picks that follow the trees for a while, then leave them."""
+    from flashtree.integrations.vllm.accept import follow, greedy_picks
+    from flashtree.tree import accept_walk
+
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        R, D, V = 3, 6, 12
+        spec = build_tree(torch.arange(R), torch.randn(R, D, V, generator=gen) * 2, 10)
+        if trial % 2:  # the last row cut to 4 nodes, as the scheduler may cut it
+            N = spec.tokens.shape[1]
+            cut = torch.arange(N) >= 4
+            spec = dataclasses.replace(spec, tokens=spec.tokens.masked_fill(cut & (torch.arange(R) == R - 1)[:, None], -1),
+                                       sizes=torch.minimum(spec.sizes, torch.tensor([99, 99, 4])))
+        # picks: each node's best child's token with probability 0.7, else a random token
+        N = spec.tokens.shape[1]
+        child = torch.full((R, N), -1, dtype=torch.long)
+        for r in range(R):
+            for i in reversed(range(1, N)):
+                if spec.tokens[r, i] >= 0:
+                    child[r, spec.parents[r, i]] = spec.tokens[r, i]
+        noise = torch.randint(0, V, (R, N), generator=gen)
+        follow_tree = (torch.rand(R, N, generator=gen) < 0.7) & (child >= 0)
+        logits = torch.nn.functional.one_hot(torch.where(follow_tree, child, noise), V).float()
+        picks = greedy_picks(logits)
+        expected = accept_walk(spec, logits.argmax(-1))
+        path, num_nodes, tokens = follow(spec.tokens.numpy(), spec.parents.numpy(), picks.numpy(), spec.depth_bound)
+        assert path.tolist() == expected.path.tolist()
+        assert num_nodes.tolist() == expected.num_nodes.tolist()
+        assert tokens.tolist() == expected.tokens.tolist()
 
 
 def test_tree_book_drafts_trees_for_tree_rows_only():

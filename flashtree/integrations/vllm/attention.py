@@ -12,8 +12,8 @@ import contextlib
 import functools
 from collections.abc import Iterator
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from vllm import _custom_ops as ops
 from vllm.config import get_layers_from_vllm_config
@@ -24,7 +24,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAtte
 from flashtree.integrations.vllm import settings
 from flashtree.integrations.vllm.accept import Walked, compact_kv
 from flashtree.integrations.vllm.patching import VllmPatch
-from flashtree.integrations.vllm.verify import VerifyPlan
+from flashtree.integrations.vllm.verify import TreeAttention, VerifyPlan
 
 # Cache layouts this module reads: per block and head, keys stored transposed [dim, block] and
 # values [block, dim]. AMX packs bf16 blocks differently, so DDTree runs use "vec" there.
@@ -85,35 +85,100 @@ def tree_attention(impl: CPUAttentionBackendImpl, query: Tensor, kv_cache: Tenso
     """Attention of every tree row: all of its request's committed keys, then its ancestors and itself.
 
     Every key is read from the paged cache, the tree's own too: vLLM wrote node i's K/V at the
-    slot of position prefix + i before this call. The mask hides the rest of the gathered blocks.
-    The query heads that share a KV head ride as extra rows of it, so SDPA sees no head grouping.
+    slot of position prefix + i before this call. The mask hides the rest of the columns read.
+    Keys stay in the cache's transposed [dim, block] layout, which is the right operand of q @ K^T
+    as it is, so a tree whose blocks are consecutive is attended without copying its K/V. The query
+    heads that share a KV head ride as extra rows of it.
     """
     Rt, N = plan.rows.shape
     heads, kv_heads, dim = impl.num_heads, impl.num_kv_heads, impl.head_size
     group = heads // kv_heads
-    blocks, mask = plan.attention_inputs(block_table, kv_cache.shape[2], group, kv_cache.dtype)
-    keys, values = paged_kv(kv_cache, blocks)
+    block = kv_cache.shape[2]
+    tree = plan.attention(block_table, block, kv_heads, group)
+    nblk, columns = tree.blocks.shape[1], tree.columns
+    if (tree.first_block is not None and plan.row_slice is not None and kv_cache.dtype == torch.float32
+            and kv_cache.stride()[2:] == (2 * dim, 1) and query.dim() == 3 and output.stride(-1) == 1
+            and (output.dim() == 2 or output.stride()[1:] == (dim, 1))):
+        return one_tree_attention(impl.scale, query, kv_cache, tree, plan.row_slice.start, N, kv_heads, group,
+                                  output)
+    if tree.first_block is not None:
+        cached = kv_cache[tree.first_block:tree.first_block + nblk]
+    else:
+        cached = kv_cache.index_select(0, tree.blocks.flatten())
+    if nblk == 1:  # [Rt * kv_heads, keys transposed | values]: both are views
+        cached = cached.view(Rt * kv_heads, 2 * dim * block)
+        keys_t = cached[:, :dim * block].view(Rt * kv_heads, dim, block)[..., :columns]
+        values = cached[:, dim * block:].view(Rt * kv_heads, block, dim)[:, :columns]
+    else:
+        cached = cached.view(Rt, nblk, kv_heads, 2, dim * block)
+        keys_t = cached[:, :, :, 0].view(Rt, nblk, kv_heads, dim, block).permute(0, 2, 3, 1, 4)
+        keys_t = keys_t.reshape(Rt * kv_heads, dim, nblk * block)[..., :columns]
+        values = cached[:, :, :, 1].view(Rt, nblk, kv_heads, block, dim).transpose(1, 2)
+        values = values.reshape(Rt * kv_heads, nblk * block, dim)[:, :columns]
     rows = plan.row_slice
     q = query[rows] if rows is not None else query[plan.rows.flatten()]
-    q = q.view(Rt, N, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(Rt, kv_heads, group * N, dim)
-    out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask, scale=impl.scale)
-    out = out.view(Rt, kv_heads, group, N, dim).permute(0, 3, 1, 2, 4).reshape(Rt, N, heads, dim)
+    q = q.view(Rt, N, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(Rt * kv_heads, group * N, dim)
+    if keys_t.dtype != torch.float32:  # scores and softmax in float32, as SDPA accumulates
+        keys_t, values, q = keys_t.float(), values.float(), q.float()
+    scores = torch.baddbmm(tree.mask, q, keys_t, alpha=impl.scale)
+    out = torch.bmm(scores.softmax(-1), values).view(Rt, kv_heads, group, N, dim).permute(0, 3, 1, 2, 4)
     if rows is not None:
-        output.view(-1, heads, dim)[rows] = out.reshape(Rt * N, heads, dim).to(output.dtype)
+        output.view(-1, kv_heads, group, dim)[rows].view(Rt, N, kv_heads, group, dim).copy_(out)
     else:
-        output.view(-1, heads, dim)[plan.rows[plan.valid]] = out[plan.valid].to(output.dtype)
+        output.view(-1, heads, dim)[plan.rows[plan.valid]] = out[plan.valid].reshape(-1, heads, dim).to(output.dtype)
 
 
-def move_kv(kv_cache: Tensor, src: Tensor, dst: Tensor) -> None:
-    """Copy the K/V at slots `src` to slots `dst` of one CPU_ATTN cache, in its own layout."""
-    nb, heads, block, two_dim = kv_cache.shape
+def one_tree_attention(scale: float, query: Tensor, kv_cache: Tensor, tree: TreeAttention, start: int, N: int,
+                       kv_heads: int, group: int, output: Tensor) -> None:
+    """tree_attention for the common case of one tree in consecutive blocks (float32): every operand is
+    a strided view of the cache, the query and the output, so a layer costs five tensor ops (with
+    one K and one V copy when the tree spans several blocks)."""
+    dim = query.shape[-1]
+    block = kv_cache.shape[2]
+    nblk, columns = tree.blocks.shape[1], tree.columns
+    sb, sh = kv_cache.stride(0), kv_cache.stride(1)
+    base = kv_cache.storage_offset() + tree.first_block * sb
+    if nblk == 1:
+        keys_t = kv_cache.as_strided((kv_heads, dim, columns), (sh, block, 1), base)
+        values = kv_cache.as_strided((kv_heads, columns, dim), (sh, dim, 1), base + dim * block)
+    else:
+        keys_t = kv_cache.as_strided((kv_heads, dim, nblk, block), (sh, block, sb, 1), base)
+        keys_t = keys_t.reshape(kv_heads, dim, nblk * block)[..., :columns]
+        values = kv_cache.as_strided((kv_heads, nblk, block, dim), (sh, sb, dim, 1), base + dim * block)
+        values = values.reshape(kv_heads, nblk * block, dim)[:, :columns]
+    st, sq, sd = query.stride()
+    q = query.as_strided((kv_heads, group, N, dim), (group * sq, sq, st, sd), query.storage_offset() + start * st)
+    scores = torch.baddbmm(tree.mask, q.reshape(kv_heads, group * N, dim), keys_t, alpha=scale)
+    out = torch.bmm(scores.softmax(-1), values)
+    so = output.stride(0)
+    target = output.as_strided((kv_heads, group, N, dim), (group * dim, dim, so, 1), output.storage_offset() + start * so)
+    target.copy_(out.view(kv_heads, group, N, dim))
+
+
+def slot_elements(shape: torch.Size, slots: Tensor) -> Tensor:
+    """Flat indices of every key and value element stored for `slots` [..., M] in a CPU_ATTN cache of this
+    shape, as [..., M * 2 * heads * dim] (per block and head: keys transposed [dim, block], then values
+    [block, dim])."""
+    _, heads, block, two_dim = shape
     dim = two_dim // 2
-    halves = kv_cache.view(nb, heads, 2, dim * block)
-    keys = halves[:, :, 0].unflatten(-1, (dim, block))  # [nb, heads, dim, block]
-    values = halves[:, :, 1].unflatten(-1, (block, dim))  # [nb, heads, block, dim]
-    sb, so, db, do = src // block, src % block, dst // block, dst % block
-    keys[db, :, :, do] = keys[sb, :, :, so]
-    values[db, :, do] = values[sb, :, so]
+    slots = slots.numpy()[..., None, None]  # [..., M, 1, 1]
+    within = slots % block
+    head_base = (slots // block * heads + np.arange(heads)[:, None]) * (block * two_dim)  # [..., M, heads, 1]
+    d = np.arange(dim)
+    keys = head_base + d * block + within
+    values = head_base + dim * block + within * dim + d
+    return torch.from_numpy(np.stack([keys, values], -3).reshape(*slots.shape[:-3], -1))
+
+
+def move_kv(caches: list[Tensor], src: Tensor, dst: Tensor) -> None:
+    """Copy the K/V at slots `src` to slots `dst` of every cache (same shape, CPU_ATTN layout): one
+    gather and one scatter per layer, with the element indices worked out once."""
+    if not caches:
+        return
+    src_at, dst_at = slot_elements(caches[0].shape, torch.stack([src, dst]))
+    for cache in caches:
+        flat = cache.view(-1)
+        flat.index_copy_(0, dst_at, flat.index_select(0, src_at))
 
 
 def compact(walked: Walked) -> None:

@@ -36,7 +36,7 @@ class DFlashProposerPatch(VllmPatch, target=DFlashProposer):
         if chains is None:
             return logits.argmax(dim=-1), None
         ids = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
-        if chains.any():  # trees come from the logits; only chain requests need their argmax
+        if chains.numel() and chains.any():  # trees come from the logits; only chain requests need their argmax
             chains = chains.to(logits.device)
             ids[chains] = logits[chains].argmax(dim=-1)
         return ids, None

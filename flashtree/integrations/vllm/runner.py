@@ -60,18 +60,23 @@ class DDTreeRunner:
                 self.tree_params.append(p)
 
     def chain_rows(self, total: int) -> Tensor | None:
-        """Rows of the drafter's [requests * depth] logits whose argmax chains are drafts; None for all."""
+        """Rows of the drafter's [requests * depth] logits whose argmax chains are drafts; None for all,
+        an empty tensor for none."""
         if not self.tree_rows:
             return None
-        keep = np.ones(total // self.settings.depth, dtype=bool)
+        requests = total // self.settings.depth
+        if len(self.tree_rows) == requests:
+            return torch.empty(0, dtype=torch.bool)
+        keep = np.ones(requests, dtype=bool)
         keep[self.tree_rows] = False
         return torch.from_numpy(np.repeat(keep, self.settings.depth))
 
     def draft(self, runner: CPUModelRunner, chains: Tensor, sampled: Tensor, logits: Tensor) -> list[list[int]]:
         """Each request's draft list: its exact tree when its sampling allows one, else vLLM's chain."""
         R, depth = chains.shape
-        last = ((sampled != -1).sum(1, keepdim=True) - 1).clamp(min=0)
-        roots = sampled.gather(1, last)[:, 0].long()
+        accepted = sampled.cpu().numpy()
+        last = np.maximum((accepted != -1).sum(1) - 1, 0)
+        roots = torch.from_numpy(accepted[np.arange(R), last].astype(np.int64))
         return self.book.draft(runner.input_batch.req_ids[:R], self.tree_rows, self.tree_params, roots,
                                logits.view(R, depth, -1), chains.tolist())
 
@@ -122,9 +127,9 @@ class CPUModelRunnerPatch(VllmPatch, target=CPUModelRunner):
             return chain_sample(self, logits, spec_decode_metadata, sampling)
         trees = plan.req_index.numpy()
         drafts = np.asarray(spec_decode_metadata.num_draft_tokens)
-        logits_start = torch.from_numpy((np.cumsum(drafts + 1) - drafts - 1)[trees])
-        node = torch.minimum(torch.arange(plan.rows.shape[1]), plan.size[:, None] - 1)
-        walked = walk(plan, logits[(logits_start[:, None] + node).to(logits.device)])
+        starts = (np.cumsum(drafts + 1) - drafts - 1)[trees]
+        logits_start = torch.from_numpy(starts)
+        walked = walk(plan, tree_logits(logits, starts, plan.size.numpy(), plan.rows.shape[1]))
 
         if len(trees) == len(drafts) and sampling.max_num_logprobs is None:  # every row is a tree's walk
             out = SamplerOutput(sampled_token_ids=torch.full((len(drafts), 1), -1, dtype=torch.int32),
@@ -166,6 +171,15 @@ class CPUModelRunnerPatch(VllmPatch, target=CPUModelRunner):
         if logits is None or not torch.is_tensor(chains) or not torch.is_tensor(sampled_token_ids):
             return chains
         return ddtree.draft(self, chains, sampled_token_ids, logits)
+
+
+def tree_logits(logits: Tensor, starts: np.ndarray, sizes: np.ndarray, N: int) -> Tensor:
+    """[Rt, N, V] the target's logits at every tree node (a cut tree repeats its last node's row): a view
+    when the trees' rows follow each other, all N long, as at batch size 1."""
+    if (sizes == N).all() and (np.diff(starts) == N).all():
+        return logits[int(starts[0]):int(starts[0]) + len(starts) * N].view(len(starts), N, -1)
+    node = np.minimum(np.arange(N), sizes[:, None] - 1)
+    return logits[torch.from_numpy(starts[:, None] + node).to(logits.device)]
 
 
 def chain_sample(runner: CPUModelRunner, logits: Tensor, metadata, sampling) -> SamplerOutput:

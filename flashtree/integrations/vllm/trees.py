@@ -85,8 +85,11 @@ class TreeBook:
         trees built from the drafter's logits [R, depth, V]; remember each tree for the verify step."""
         if not rows:
             return chains
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        spec = build_tree(roots[index], logits[index], self.budget)
+        if rows == list(range(len(req_ids))):  # every request drafts a tree: no gather
+            spec = build_tree(roots, logits, self.budget)
+        else:
+            index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+            spec = build_tree(roots[index], logits[index], self.budget)
         tokens = spec.tokens.cpu().numpy()
         parents = spec.parents.cpu().numpy()
         depths = spec.depths.cpu().numpy()

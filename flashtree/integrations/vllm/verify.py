@@ -6,6 +6,7 @@ layers the ancestor mask; after the walk it says which slots' K/V move to which.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,7 +15,7 @@ from torch import Tensor
 
 from flashtree.integrations.vllm.trees import TreeBook
 from flashtree.sampling import SamplingParams
-from flashtree.tree import TreeSpec, ancestor_mask
+from flashtree.tree import TreeSpec
 
 
 @dataclass
@@ -33,9 +34,9 @@ class VerifyPlan:
     row_slice: slice | None = None  # the trees' rows as one slice, when they are adjacent and all N long
     caches: list[Tensor] = field(default_factory=list)  # the target layers' KV caches, as attention met them
     slot_mapping: Tensor | None = None  # the verify batch's slots: row i holds position prefix + node index
-    _attention: dict[tuple, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    _attention: tuple[tuple, TreeAttention] | None = None
 
-    @property
+    @functools.cached_property
     def num_rows(self) -> int:
         return int(self.size.sum())
 
@@ -45,30 +46,71 @@ class VerifyPlan:
 
     def positions(self) -> tuple[Tensor, Tensor]:
         """(token rows, positions) of every real node: its position is prefix + depth."""
-        pos = self.prefix[:, None] + self.spec.depths
-        return self.rows[self.valid], pos[self.valid]
+        valid = self.valid.numpy()
+        pos = self.prefix.numpy()[:, None] + self.spec.depths.numpy()
+        return torch.from_numpy(self.rows.numpy()[valid]), torch.from_numpy(pos[valid])
 
     def chain_positions(self) -> tuple[Tensor, Tensor]:
         """(token rows, positions) as vLLM assigned them: prefix + node index."""
-        pos = self.prefix[:, None] + torch.arange(self.rows.shape[1])
-        return self.rows[self.valid], pos[self.valid]
+        valid = self.valid.numpy()
+        pos = self.prefix.numpy()[:, None] + np.arange(valid.shape[1])
+        return torch.from_numpy(self.rows.numpy()[valid]), torch.from_numpy(pos[valid])
 
-    def attention_inputs(self, block_table: Tensor, block: int, group: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """What every target layer's tree attention shares this step: the cache blocks [Rt, nblk] that hold
-        each request's positions up to its last node, and the additive mask [Rt, 1, group * N, nblk * block]
-        (0 where a node attends: every committed position, then its ancestors and itself; rows
-        repeated for the `group` query heads that share a KV head)."""
-        key = (block, group, dtype)
-        if key not in self._attention:
-            Rt, N = self.rows.shape
-            nblk = -(-int((self.prefix + self.size).max()) // block)
-            columns = nblk * block
-            rel = torch.arange(columns)[None] - self.prefix[:, None]  # [Rt, columns]: node index at each position
-            ancestors = self.mask.gather(2, rel.clamp(0, N - 1)[:, None, :].expand(Rt, N, columns))
-            allowed = ((rel < 0)[:, None, :] | (((rel >= 0) & (rel < N))[:, None, :] & ancestors))[:, None]
-            additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-            self._attention[key] = (block_table[self.req_index, :nblk].long(), additive.repeat(1, 1, group, 1))
-        return self._attention[key]
+    def attention(self, block_table: Tensor, block: int, kv_heads: int, group: int) -> TreeAttention:
+        """The tree attention inputs every target layer shares this step, built by the first layer."""
+        key = (block, kv_heads, group)
+        if self._attention is None or self._attention[0] != key:
+            self._attention = (key, tree_attention_inputs(self, block_table, block, kv_heads, group))
+        return self._attention[1]
+
+
+@dataclass
+class TreeAttention:
+    """Where the trees' keys lie in the paged cache and which of them each query row sees.
+
+    Rows of a request's queries are ordered (query head in its group, node): a KV head's whole group
+    then attends as one matrix.
+    """
+    first_block: int | None  # the one tree's blocks are first_block.. in a row: read as a slice, no gather
+    blocks: Tensor  # [Rt, nblk] cache blocks holding each request's positions up to its last node
+    columns: int  # keys read per request: positions 0..columns-1 of its blocks
+    mask: Tensor  # [1 or Rt * kv_heads, group * N, columns] float32: 0 where a row attends, -inf elsewhere
+
+
+def ancestors(parents: np.ndarray, max_depth: int) -> np.ndarray:
+    """m[r, i, j]: node j is node i or one of its ancestors (parents [R, N], root -1).
+
+    Reachability in at most max_depth parent steps, by squaring (I + A) ceil(log2) times: a few
+    tiny matmuls instead of one gather per depth.
+    """
+    R, N = parents.shape
+    reach = np.zeros((R, N, N), dtype=np.float32)
+    r, i = np.nonzero(parents >= 0)
+    reach[r, i, parents[r, i]] = 1.0
+    reach += np.eye(N, dtype=np.float32)
+    steps = 1
+    while steps < max_depth:
+        reach = np.minimum(reach @ reach, 1.0)
+        steps *= 2
+    return reach > 0
+
+
+def tree_attention_inputs(plan: VerifyPlan, block_table: Tensor, block: int, kv_heads: int,
+                          group: int) -> TreeAttention:
+    Rt, N = plan.rows.shape
+    prefix, size = plan.prefix.numpy(), plan.size.numpy()
+    columns = int((prefix + size).max())
+    nblk = -(-columns // block)
+    blocks = block_table[plan.req_index, :nblk].long()
+    table = blocks.numpy()
+    first = int(table[0, 0]) if Rt == 1 and (nblk == 1 or bool((np.diff(table[0]) == 1).all())) else None
+    additive = np.full((Rt, 1 if Rt == 1 else kv_heads, group, N, columns), -np.inf, dtype=np.float32)
+    seen = np.where(plan.mask.numpy(), np.float32(0), np.float32(-np.inf))
+    for r in range(Rt):  # committed positions, then the tree's nodes under its mask
+        p, n = int(prefix[r]), int(size[r])
+        additive[r, ..., :p] = 0
+        additive[r, ..., p:p + n] = seen[r, :, :n]
+    return TreeAttention(first, blocks, columns, torch.from_numpy(additive.reshape(-1, group * N, columns)))
 
 
 def plan_verify(book: TreeBook, scheduled: dict[str, list[int]], req_id_to_index: dict[str, int],
@@ -104,16 +146,17 @@ def plan_verify(book: TreeBook, scheduled: dict[str, list[int]], req_id_to_index
         tokens[j, 1:size] = tree.tokens[:size - 1]
         parents[j, :size] = tree.parents[:size]
         depths[j, :size] = tree.depths[:size]
-    req_index, start, size = (torch.tensor([c[k] for c in chosen]) for k in range(3))
+    req_index, start, size = (np.ascontiguousarray(a) for a in np.array([c[:3] for c in chosen], dtype=np.int64).T)
     # The deepest node bounds the walk and the ancestor table: a cut tree is often shallower than the drafter's block.
     spec = TreeSpec(tokens=torch.from_numpy(tokens), parents=torch.from_numpy(parents),
-                    depths=torch.from_numpy(depths), sizes=size, max_depth=int(depths.max()))
-    node = torch.arange(N)
+                    depths=torch.from_numpy(depths), sizes=torch.from_numpy(size), max_depth=int(depths.max()))
+    node = np.arange(N)
     first = chosen[0][1]
     adjacent = all(n == N and row == first + j * N for j, (_, row, n, _) in enumerate(chosen))
     return VerifyPlan(
-        req_ids=[c[3] for c in chosen], req_index=req_index, start=start, size=size,
-        prefix=torch.from_numpy(num_computed[req_index.numpy()].astype(np.int64)), spec=spec,
+        req_ids=[c[3] for c in chosen], req_index=torch.from_numpy(req_index), start=torch.from_numpy(start),
+        size=spec.sizes, prefix=torch.from_numpy(num_computed[req_index].astype(np.int64)), spec=spec,
         params=[params[c[3]] for c in chosen], seeds=[book.seed(c[3], params[c[3]]) for c in chosen],
-        rows=start[:, None] + torch.minimum(node, size[:, None] - 1), valid=node < size[:, None],
-        mask=ancestor_mask(spec), row_slice=slice(first, first + Rt * N) if adjacent else None)
+        rows=torch.from_numpy(start[:, None] + np.minimum(node, size[:, None] - 1)),
+        valid=torch.from_numpy(node < size[:, None]), mask=torch.from_numpy(ancestors(parents, spec.max_depth)),
+        row_slice=slice(first, first + Rt * N) if adjacent else None)
