@@ -3,6 +3,9 @@
 Each subsystem registers its own subcommand (`register(subparsers)` in its `cli.py`), so
 this file wires them up, checks the flags every command shares (device, threads, model
 paths), and turns FlashtreeError into a one-line message.
+
+Nothing heavy is imported to parse the command line: `--version` and `--help` answer at
+once, and a command says what it is loading before torch and the models take their seconds.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 from pathlib import Path
 
 from flashtree import __version__
-from flashtree.config import METHODS
+from flashtree.config import METHODS, looks_like_hub_id
 from flashtree.errors import FlashtreeError
 
 SUBSYSTEMS = ("flashtree.server.cli", "flashtree.bench.cli", "flashtree.train.cli")
@@ -82,6 +85,23 @@ def default_threads() -> int:
     return max(1, min(torch.get_num_threads(), physical_cores()))
 
 
+def busy_cores_warning(threads: int) -> str | None:
+    """One line when `threads` exceeds the cores other jobs leave free (by the 1-minute load
+    average): torch's threads then wait on each other at every op, and a run can take many
+    times what one thread takes."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    cores = physical_cores()
+    free = max(0, round(cores - load))
+    if threads <= 1 or threads <= free:
+        return None
+    return (f"flashtree: warning: torch will use {threads} threads, but only {free} of this machine's {cores} cores "
+            f"are free (load average {load:.1f}); oversubscribed threads can make every round many times slower: "
+            "use --threads 1")
+
+
 def check_device(name: str | None) -> None:
     """A one-line error for a device this torch cannot use, before anything is loaded."""
     if name is None:
@@ -113,12 +133,20 @@ def check_device(name: str | None) -> None:
 
 def check_model_path(flag: str, name: str | None) -> None:
     """Name a missing local directory (the engine would first complain about something else)."""
+    if name is None or Path(name).expanduser().is_dir() or looks_like_hub_id(name):
+        return
+    raise FlashtreeError(f"no such model directory: {name} (given as {flag}); pass an existing path or "
+                         "a hub id like Qwen/Qwen3-8B")
+
+
+def check_hub_id(name: str | None) -> None:
+    """An unreachable hub id (offline, or no connection) is the first thing said about it, before
+    anything else can complain (a missing drafter, say); fetches its config.json alone."""
     if name is None or Path(name).expanduser().is_dir():
         return
-    looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
-    if not looks_like_hub_id:
-        raise FlashtreeError(f"no such model directory: {name} (given as {flag}); pass an existing path or "
-                             "a hub id like Qwen/Qwen3-8B")
+    from flashtree.models.loader import fetch_from_hub
+
+    fetch_from_hub(name, ["config.json"])
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -140,6 +168,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the physical cores; use 1 on a shared machine)")
     p.add_argument("--no-selector", action="store_true",
                    help="with a DFlash2 drafter, build the tree from its marginals, not its candidate selector")
+
+
+def add_length_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-model-len", type=positive_int,
+                   help="prompt + output tokens (default: min(target limit, 4096)); at most the target's "
+                        "max_position_embeddings")
+    p.add_argument("--allow-long-max-model-len", action="store_true",
+                   help="allow --max-model-len above the target's max_position_embeddings (positions it was not "
+                        "trained for)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -168,24 +205,31 @@ def read_prompt(text: str) -> str:
 
 
 def generate(args: argparse.Namespace) -> None:
-    import torch
-
     from flashtree import LLM, SamplingParams
 
     prompt = read_prompt(args.prompt)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=[unescape(s) for s in args.stop or []])
-    llm = LLM(**engine_kwargs(args), max_batch=1, max_model_len=args.max_model_len)
+    llm = LLM(**engine_kwargs(args), max_batch=1, max_model_len=args.max_model_len,
+              allow_long_max_model_len=args.allow_long_max_model_len)
     if args.chat:
         prompt = llm.engine.encode_chat([{"role": "user", "content": prompt}])
     t0 = time.perf_counter()
     out = llm.generate([prompt], params)[0]
     seconds = time.perf_counter() - t0
-    s = out.stats
     print(out.text)
-    print(f"[{args.method}] tokens={len(out.token_ids)} tau={s.mean_accept_length:.2f} rounds={s.rounds} "
-          f"tok/s={len(out.token_ids) / seconds:.1f} threads={torch.get_num_threads()} finish={out.finish_reason}",
-          file=sys.stderr)
+    print(stats_line(args.method, out, seconds, llm.engine.capture_seconds), file=sys.stderr)
+
+
+def stats_line(method: str, out, seconds: float, captured: float) -> str:
+    """generate's line on stderr. tok/s is over the generate call alone; the rounds --compile
+    captures are captured at start-up (`captured` seconds), shown apart and never counted."""
+    import torch
+
+    s = out.stats
+    line = (f"[{method}] tokens={len(out.token_ids)} tau={s.mean_accept_length:.2f} rounds={s.rounds} "
+            f"tok/s={len(out.token_ids) / seconds:.1f} threads={torch.get_num_threads()} finish={out.finish_reason}")
+    return line + (f" capture_s={captured:.1f} (at start-up, not in tok/s)" if captured else "")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,8 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt text, or - to read it from stdin")
     add_engine_args(g)
     add_sampling_args(g)
-    g.add_argument("--max-model-len", type=positive_int,
-                   help="prompt + output tokens (default: min(target limit, 4096))")
+    add_length_args(g)
     g.add_argument("--stop", action="append", help=r"stop string (repeatable; \n and \t are escapes)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.set_defaults(func=generate)
@@ -212,20 +255,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def announce(args: argparse.Namespace) -> None:
+    """The command's first line, within a second of starting: torch and the models take seconds.
+    Under torchrun (`train`), rank 0 alone says it."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    if hasattr(args, "target"):
+        what = f"loading {args.target or 'the embedded demo pair'}"
+        what += f" and the drafter {args.drafter}" if getattr(args, "drafter", None) else ""
+    else:
+        what = "starting"
+    print(f"flashtree {args.command}: {what} ...", file=sys.stderr, flush=True)
+
+
 def prepare(args: argparse.Namespace) -> None:
     """Checks and settings for the shared flags, before any model is loaded."""
-    check_device(getattr(args, "device", None))
     for flag in ("target", "drafter"):
-        check_model_path(f"--{flag}", getattr(args, flag, None))
+        check_hub_id(getattr(args, flag, None))
+    check_device(getattr(args, "device", None))
     if hasattr(args, "threads"):
         import torch
 
         torch.set_num_threads(args.threads or default_threads())
+        if (line := busy_cores_warning(torch.get_num_threads())) is not None:
+            print(line, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        for flag in ("target", "drafter"):  # instant checks first: bad input gets its line alone
+            check_model_path(f"--{flag}", getattr(args, flag, None))
+        announce(args)
         prepare(args)
         args.func(args)
     except FlashtreeError as e:

@@ -14,6 +14,11 @@ DEMO_DRAFTER = DEMO_DIR / "drafter"  # DFlash2 (candidate selector); see its rec
 DEMO_DRAFTER_DFLASH1 = DEMO_DIR / "drafter-dflash1"  # the earlier DFlash-1 drafter, kept for comparison
 
 
+def looks_like_hub_id(name: str) -> bool:
+    """`owner/name`, as opposed to a local path (which need not exist yet to be meant as one)."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
 @dataclass
 class EngineConfig:
     target: str | None = None  # HF dir or hub id; None = the embedded demo target
@@ -29,6 +34,7 @@ class EngineConfig:
     dtype: str | None = None  # None/auto = bf16 on cuda, float32 on cpu
     max_batch: int = 8  # requests decoded together
     max_model_len: int | None = None  # prompt + output; None = min(target's limit, 4096)
+    allow_long_max_model_len: bool = False  # allow max_model_len above the target's max_position_embeddings
     max_round_tokens: int = 4096  # cap on all trees' nodes in one batched verify
     max_queue: int = 256  # waiting requests before add_request refuses
     stage_timing: bool | None = None  # sync between stages to time them; None = on for cpu only

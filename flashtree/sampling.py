@@ -11,6 +11,9 @@ from flashtree.errors import FlashtreeError
 
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit; vLLM's default max_logprobs)
+# All of a request's stop strings together, in characters: far above real stop lists, and it
+# bounds the matcher each request builds (one trie node per character).
+MAX_STOP_CHARS = 4096
 
 
 @dataclass
@@ -41,6 +44,9 @@ class SamplingParams:
             raise FlashtreeError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise FlashtreeError("stop strings must not be empty")
+        if (chars := sum(map(len, self.stop))) > MAX_STOP_CHARS:
+            raise FlashtreeError(f"the stop strings have {chars} characters in all; at most {MAX_STOP_CHARS} "
+                                 "are allowed")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise FlashtreeError(f"seed must be an integer or None, got {self.seed!r}")
         if self.n < 1:

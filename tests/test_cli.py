@@ -1,11 +1,13 @@
 """The command line as a new user meets it: one-line errors, --version, python -m flashtree,
---threads, --stop escapes, a prompt from stdin, and `serve`'s startup line and signals."""
+--threads, --stop escapes, a prompt from stdin, and `serve`'s startup line and signals; what
+it imports before answering, what it says first, and what it warns about."""
 
 from __future__ import annotations
 
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,8 +19,9 @@ import httpx
 import pytest
 import torch
 
+import flashtree.cli as cli
 from flashtree import __version__
-from flashtree.cli import default_threads, main, physical_cores, unescape
+from flashtree.cli import busy_cores_warning, default_threads, main, physical_cores, stats_line, unescape
 
 ROOT = Path(__file__).parent.parent
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
@@ -34,8 +37,14 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+ANNOUNCE = re.compile(r"flashtree [a-z]+: (loading .+|starting) \.\.\.$")  # a command's first line
+
+
 def one_line_error(err: str) -> str:
+    """The error line, which must be all of stderr but the command's first line (what it loads)."""
     lines = err.strip().splitlines()
+    if lines and ANNOUNCE.fullmatch(lines[0]):
+        lines = lines[1:]
     assert len(lines) == 1 and lines[0].startswith("flashtree: error: "), err
     return lines[0]
 
@@ -49,6 +58,9 @@ def one_line_error(err: str) -> str:
     (["generate", "hi", "--target", "/nonexistent/model"], "no such model directory: /nonexistent/model"),
     (["generate", "hi", "--threads", "0"], "positive integer"),
     (["generate"], "required: prompt"),
+    (["serve", "--shutdown-timeout", "-1"], "non-negative finite number of seconds, got -1"),
+    (["serve", "--read-timeout", "0"], "positive finite number of seconds, got 0"),
+    (["serve", "--read-timeout", "inf"], "finite number of seconds"),
 ])
 def test_bad_flags_get_one_line(capsys, argv, words):
     code, _, err = run_cli(capsys, *argv)
@@ -123,6 +135,7 @@ def test_serve_startup_line_and_a_second_sigterm_exits_at_once():
                              "--threads", "1", "--shutdown-timeout", "600"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=ENV)
     try:
+        assert proc.stderr.readline().strip() == "flashtree serve: loading the embedded demo pair ..."
         line = proc.stderr.readline().strip()
         for field in ("model=flashtree-demo", "drafter=", "method=ar", "budget=", "device=cpu", "dtype=float32",
                       "threads=1", "max_batch=8", f"url=http://127.0.0.1:{port}"):
@@ -159,3 +172,112 @@ def test_serve_startup_line_and_a_second_sigterm_exits_at_once():
             proc.wait()
         proc.stderr.close()
         proc.stdout.close()
+
+
+# ---- an honest start -----------------------------------------------------------------------------
+
+HEAVY = ("torch", "transformers", "fastapi", "uvicorn", "numpy")
+
+
+def imported(argv: list[str]) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run `python -X importtime -m flashtree argv`: the run, and every module it imported."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "-m", "flashtree", *argv], capture_output=True,
+                         text=True, env=ENV, timeout=300)
+    return run, [line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")]
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["generate", "--help"], ["serve", "--help"],
+                                  ["bench", "--help"], ["train", "--help"], ["train", "demo", "--help"]])
+def test_version_and_help_import_nothing_heavy(argv):
+    """--version and every --help answer without importing torch, transformers, FastAPI or uvicorn
+    (which took 3.5-6 s on the shared box; `time flashtree --version` is now about 0.2 s there)."""
+    run, modules = imported(argv)
+    assert run.returncode == 0 and run.stdout.strip()
+    assert not [m for m in modules if m.split(".")[0] in HEAVY], argv
+
+
+def test_a_command_says_what_it_loads_before_torch_loads():
+    """`generate` prints its first line before importing torch, so no command sits silent for the
+    seconds torch and the models take."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "-m", "flashtree", "generate", "hi", "--method", "ar",
+                          "--max-tokens", "2"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stderr.splitlines()
+    first = next(i for i, line in enumerate(lines) if not line.startswith("import time:"))
+    torch_at = next(i for i, line in enumerate(lines) if re.search(r"\|\s*torch$", line))
+    assert lines[first] == "flashtree generate: loading the embedded demo pair ..." and first < torch_at
+
+
+def test_max_model_len_above_the_target_limit(capsys):
+    """--max-model-len above the target's max_position_embeddings (2048 for the demo target) is a
+    one-line error naming both numbers; --allow-long-max-model-len lets it through."""
+    code, _, err = run_cli(capsys, "generate", "hi", "--method", "ar", "--max-model-len", "300000")
+    line = one_line_error(err)
+    assert code == 2 and "300000" in line and "2048" in line and "--allow-long-max-model-len" in line
+    code, out, err = run_cli(capsys, "generate", "hi", "--method", "ar", "--max-tokens", "2", "--max-model-len",
+                             "2100", "--allow-long-max-model-len")
+    assert code == 0 and out.strip() and "tokens=2" in err
+
+
+@pytest.mark.parametrize("setting,words", [
+    ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE is set"),
+    ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "cannot reach the Hugging Face hub"),  # nothing listens on port 9
+])
+def test_an_offline_hub_id_is_reported_as_offline_first(tmp_path, setting, words):
+    """A hub id that is not cached, with the hub switched off or out of reach, is named as such,
+    before the missing drafter (which the same command also lacks) is."""
+    env = {**ENV, "HF_HOME": str(tmp_path / "hf"), **setting}
+    env.pop("HF_HUB_OFFLINE" if "HF_ENDPOINT" in setting else "HF_ENDPOINT", None)
+    run = subprocess.run([sys.executable, "-m", "flashtree", "generate", "hi", "--target", "Qwen/Qwen3-8B"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    line = one_line_error(run.stderr)
+    assert run.returncode == 2 and words in line and "Qwen/Qwen3-8B" in line and "drafter" not in line
+
+
+def test_busy_cores_warning(monkeypatch):
+    """More torch threads than free cores (by the load average) is one warning line suggesting
+    --threads 1; one thread, or enough free cores, is none."""
+    monkeypatch.setattr(cli, "physical_cores", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.2, 1.0, 1.0))
+    line = busy_cores_warning(2)
+    assert "2 threads" in line and "only 1 of this machine's 2 cores" in line and line.endswith("--threads 1")
+    assert busy_cores_warning(1) is None
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    assert busy_cores_warning(2) is None
+
+
+def test_stats_leave_start_up_capture_out_and_say_so(capsys):
+    """generate's tok/s is over the generate call alone, and with --compile the line names the
+    start-up capture seconds as not counted (they once went into tok/s: tok/s=0.8)."""
+    out = type("Out", (), {"token_ids": list(range(40)), "finish_reason": "length",
+                           "stats": type("S", (), {"mean_accept_length": 2.0, "rounds": 20})()})()
+    line = stats_line("ddtree", out, seconds=4.0, captured=46.0)
+    assert " tok/s=10.0 " in line and line.endswith("capture_s=46.0 (at start-up, not in tok/s)")
+    assert "capture" not in stats_line("ddtree", out, seconds=4.0, captured=0.0)
+    code, _, err = run_cli(capsys, "generate", "hi", "--method", "dflash", "--max-tokens", "4", "--compile")
+    assert code == 0 and re.search(r"capture_s=\d+\.\d \(at start-up, not in tok/s\)$", err.strip()), err
+
+
+def test_rounds_far_slower_than_predicted_warn_once(caplog, monkeypatch):
+    """Rounds that take several times what the start-up cost measurement predicted, with more than
+    one torch thread on the CPU, log one warning suggesting --threads 1; with one thread, or at
+    the predicted pace, nothing. The engine feeds every budget="auto" round to the watch."""
+    from flashtree import LLM, SamplingParams
+    from flashtree.engine.pace import ROUNDS, SKIP, PaceWatch
+
+    def run(threads: int, seconds: float) -> PaceWatch:
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        watch = PaceWatch(torch.device("cpu"))
+        for _ in range(SKIP + 3 * ROUNDS):
+            watch.observe(seconds, 0.02)
+        return watch
+
+    with caplog.at_level("WARNING", logger="flashtree"):
+        slow = run(2, 0.18)
+        assert run(1, 0.18).warned is None and run(2, 0.03).warned is None
+    assert "9.0x" in slow.warned and slow.warned.endswith("use --threads 1 (torch.set_num_threads(1))")
+    assert [r.getMessage() for r in caplog.records] == [slow.warned]
+    monkeypatch.undo()
+    llm = LLM(device="cpu", dtype="float32", max_batch=1)  # the demo pair, budget="auto"
+    llm.generate(["def fib(n):"], SamplingParams(max_tokens=16, ignore_eos=True))
+    assert llm.engine.pace.seen >= 1

@@ -113,6 +113,10 @@ def test_missing_path_and_bad_architecture_errors(tmp_path):
 
 
 def test_offline_hub_id_gives_clear_error(monkeypatch):
+    """huggingface_hub reads HF_HUB_OFFLINE when imported, so the test sets its constant too."""
+    from huggingface_hub import constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(FlashtreeError, match="could not fetch"):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FlashtreeError, match="HF_HUB_OFFLINE is set and it is not in the local cache"):
         load_target("someone/not-a-real-model-xyz", torch.float32, CPU)

@@ -188,6 +188,32 @@ def test_stop_string_streamed_like_non_streamed(client, model):
     assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
 
 
+def test_streams_hold_back_only_what_a_stop_string_could_still_claim(server, model):
+    """With echo, logprobs and n = 2: a stop string whose first characters appear but which never
+    completes holds nothing back for good (the stream's text, echo included, equals the
+    non-streamed text), and one that completes cuts both forms at the same place; the streamed
+    logprob entries add up to the non-streamed lists."""
+    url = server[0]
+    prompt = bench_prompts()[3]
+    body = {"model": model, "prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    base = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    mid = len(base) // 2
+    for stop in ([base[mid: mid + 3] + "\x00never"], [base[mid: mid + 3]]):
+        ask = {**body, "stop": stop, "echo": True, "logprobs": 1, "n": 2}
+        full = httpx.post(f"{url}/v1/completions", json=ask, timeout=60).json()["choices"]
+        texts, tokens = ["", ""], [[], []]
+        with httpx.stream("POST", f"{url}/v1/completions", json={**ask, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    texts[choice["index"]] += choice["text"]
+                    tokens[choice["index"]] += (choice["logprobs"] or {}).get("tokens", [])
+        for i in range(2):
+            assert texts[i] == full[i]["text"] and tokens[i] == full[i]["logprobs"]["tokens"], stop
+        want = prompt + (base if "\x00never" in stop[0] else base[: base.index(stop[0])])
+        assert full[0]["text"] == want
+
+
 def test_seeded_sampling_repeats(client, model):
     kw = dict(model=model, prompt="Once upon a time", max_tokens=12, temperature=0.9, top_p=0.95, seed=7,
               extra_body={"top_k": 50})
@@ -429,12 +455,6 @@ def test_openai_client_sees_bad_request(client, model):
         client.completions.create(model=model, prompt="hi", temperature=-1)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
-
-
-def test_unknown_route_and_method_are_openai_errors(server):
-    assert httpx.get(f"{server[0]}/v1/nothing").json()["error"]["message"] == "Not Found"
-    r = httpx.get(f"{server[0]}/v1/completions")
-    assert r.status_code == 405 and "error" in r.json()
 
 
 # ---- backpressure, hang-ups, failures ------------------------------------------------------------

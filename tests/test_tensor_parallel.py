@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from tests.test_qwen3_5 import make_qwen35
 from tests.tiny import make_drafter, make_target
 
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +114,7 @@ def test_a_dead_worker_is_a_clear_error(models):
 
     llm = LLM(**common)
     os.kill(workers._cluster.procs[0].pid, signal.SIGKILL)
-    workers._cluster.procs[0].join()
+    workers._cluster.procs[0].wait()
     with pytest.raises(FlashtreeError, match=message):
         llm.generate([[1, 2, 3]], params)
 
@@ -126,3 +130,34 @@ def test_a_dead_worker_is_a_clear_error(models):
     runner.step = types.MethodType(kill_then_step, runner)
     with pytest.raises(FlashtreeError, match=message):
         llm.generate([[1, 2, 3]], params)
+
+
+SCRIPT = """from flashtree import LLM, SamplingParams
+llm = LLM(target={target!r}, drafter={drafter!r}, method="ddtree", budget="auto", max_budget=16, cost_cache="off",
+          device="cpu", dtype="float64", max_model_len=96, tensor_parallel_size=2)
+print("TOKENS", llm.generate([[1, 2, 3]], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["stdin", "no main guard", "python -c"])
+def test_tensor_parallel_from_any_kind_of_main(models, tmp_path, how):
+    """LLM(tensor_parallel_size=2) from a script piped on stdin, a script without an
+    `if __name__ == "__main__":` guard (as the README's example is written) and `python -c`:
+    the workers never re-import the user's main module, so each prints its tokens, with no
+    traceback, and gives the tokens of one rank. Rank 0 alone prints the start-up cost
+    measurement line."""
+    paths, drafter = models
+    code = SCRIPT.format(target=str(paths["qwen3"]), drafter=str(drafter))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    script = tmp_path / "generate.py"
+    script.write_text(code)
+    argv = {"stdin": [sys.executable, "-"], "no main guard": [sys.executable, str(script)],
+            "python -c": [sys.executable, "-c", code]}[how]
+    run = subprocess.run(argv, input=code if how == "stdin" else None, capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=300)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stderr.count("measuring round costs") == 1, run.stderr
+    alone = LLM(target=str(paths["qwen3"]), drafter=str(drafter), method="ddtree", budget=8, device="cpu",
+                dtype="float64", max_model_len=96).generate([[1, 2, 3]], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert run.stdout.strip() == f"TOKENS {alone[0].token_ids}"

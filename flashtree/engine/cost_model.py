@@ -457,9 +457,12 @@ def startup(target, drafter, cache, draft_cache, max_rows: int, max_window: int,
         max_rows = min(max_rows, cache.k.shape[1])
         max_window = min(max_window, cache.max_len - 2)
     where = f"; cached in {path.parent}" if path is not None else ""
-    print(f"flashtree: measuring round costs for budget='auto' (once per model, device, dtype and threads{where})...",
-          end="", file=sys.stderr, flush=True)
+    loud = getattr(getattr(target, "tp", None), "rank", 0) == 0  # under tensor parallelism, rank 0 alone prints
+    if loud:
+        print(f"flashtree: measuring round costs for budget='auto' (once per model, device, dtype and "
+              f"threads{where})...", end="", file=sys.stderr, flush=True)
     model = measure(target, drafter, cache, draft_cache, max_rows, max_window, max_budget, seconds)
-    print(f" {model.seconds:.1f} s", file=sys.stderr, flush=True)
+    if loud:
+        print(f" {model.seconds:.1f} s", file=sys.stderr, flush=True)
     save(path, key, model)
     return model, path, key

@@ -11,6 +11,7 @@ import torch
 
 from flashtree.config import EngineConfig
 from flashtree.engine.output import OutputProcessor
+from flashtree.engine.pace import PaceWatch
 from flashtree.engine.prefix_cache import PrefixCache
 from flashtree.engine.prompts import encode_chat, max_prompt_chars
 from flashtree.engine.runner import ModelRunner
@@ -110,15 +111,20 @@ class LLMEngine:
         self.dtype = dtype
         self.target = other.target if other is not None else load_target(config.target, dtype, device,
                                                                           tp=tp.group if tp is not None else None)
+        limit = getattr(self.target.args, "max_position_embeddings", 4096)
+        if config.max_model_len is None:
+            config.max_model_len = min(limit, 4096)
+        elif config.max_model_len > limit and not config.allow_long_max_model_len:
+            raise FlashtreeError(f"max_model_len={config.max_model_len} is above the target's max_position_embeddings "
+                                 f"({limit}); lower --max-model-len to at most {limit}, or pass "
+                                 "--allow-long-max-model-len (allow_long_max_model_len=True) to use positions the "
+                                 "model was not trained for")
         self.drafter = None
         if config.method != "ar":
             if other is not None and other.drafter is not None and other.config.drafter == config.drafter:
                 self.drafter = other.drafter
             else:
                 self.drafter = load_drafter(config.drafter, self.target, dtype, device)
-        limit = getattr(self.target.args, "max_position_embeddings", 4096)
-        if config.max_model_len is None:
-            config.max_model_len = min(limit, 4096)
         self.tokenizer = other.tokenizer if other is not None else load_tokenizer(self.target.source_dir)
         self.eos_ids = self._eos_ids()
         self.scheduler = Scheduler(config.max_batch, config.max_queue)
@@ -130,6 +136,7 @@ class LLMEngine:
         self._token_text: TokenText | None = None
         self._state_keys = itertools.count()  # names of recurrent states the runner keeps for the prefix cache
         self.last_round: RoundInfo | None = None
+        self.pace = PaceWatch(device)
 
     def _prefix_cache(self) -> PrefixCache | None:
         caches = [self.runner.cache] + ([self.runner.draft_cache] if self.drafter is not None else [])
@@ -294,6 +301,7 @@ class LLMEngine:
         sizes = [plan.size(i) for i in range(len(running))]
         self.last_round = RoundInfo(len(running), elapsed, [len(e) for e in emitted], modes, sizes,
                                     list(plan.predicted))
+        self.pace.observe(elapsed, plan.seconds)
         for i, (req, tokens, lps) in enumerate(zip(running, emitted, logprobs)):
             stats = req.stats
             stats.accept_lengths.append(len(tokens))

@@ -4,6 +4,7 @@ detokenized incrementally."""
 from __future__ import annotations
 
 from flashtree.engine.sequence import Request, TokenLogprob
+from flashtree.engine.stops import StopHit, StopMatcher, StopStrings
 
 
 class OutputProcessor:
@@ -37,12 +38,16 @@ class OutputProcessor:
             delta, offsets = self.detokenize(req, new, final=reason is not None)
             text = req.text + delta
             if params.stop:
-                # Held-back text (a partial character at the end) may already complete a stop.
-                seen = text if offsets is not None else req.text + self.detokenize(req, new, final=True)[0]
-                search_from = max(0, len(req.text) - max(map(len, params.stop)))
-                cut, hit = trim_stop(seen, params.stop, search_from)
-                if hit:
-                    new, text, reason = self._stop_token(req, new, search_from), cut, "stop"
+                stops = self.matcher(req)
+                # Held-back text (a partial character at the end) may already complete a stop;
+                # it is read without moving the matcher, which reads it once it is final.
+                if offsets is not None:
+                    seen, hit = text, stops.feed(delta)
+                else:
+                    seen = req.text + self.detokenize(req, new, final=True)[0]
+                    hit = stops.feed(seen[len(req.text):], commit=False)
+                if hit is not None:
+                    new, text, reason = self._stop_token(req, new, seen, hit), seen[: hit.start], "stop"
             req.text = text
             if offsets is not None:
                 req.prefix_offset, req.read_offset = offsets
@@ -69,18 +74,18 @@ class OutputProcessor:
             return "", None
         return full[len(prefix_text):], (req.read_offset, req.prefix_offset + len(window))
 
-    def _stop_token(self, req: Request, new: list[int], search_from: int) -> list[int]:
-        """The shortest head of `new` whose text completes a stop string (the round's text did)."""
+    def matcher(self, req: Request) -> StopMatcher:
+        """req's stop-string matcher, made on first use; a group's samples share the automaton."""
+        if req.stops is None:
+            others = req.group.samples if req.group is not None else []
+            strings = next((s.stops.strings for s in others if s.stops is not None), None)
+            req.stops = StopMatcher(strings or StopStrings(req.params.stop))
+        return req.stops
+
+    def _stop_token(self, req: Request, new: list[int], seen: str, hit: StopHit) -> list[int]:
+        """The shortest head of `new` whose text completes the stop string at seen[hit.start:hit.end]."""
         for j in range(1, len(new)):
-            delta, _ = self.detokenize(req, new[:j], final=True)
-            if trim_stop(req.text + delta, req.params.stop, search_from)[1]:
+            head = req.text + self.detokenize(req, new[:j], final=True)[0]
+            if head[hit.start: hit.end] == seen[hit.start: hit.end]:
                 return new[:j]
         return new
-
-
-def trim_stop(text: str, stops: list[str], search_from: int) -> tuple[str, bool]:
-    """Cut text before the earliest stop string found at or after search_from."""
-    hits = [i for s in stops if (i := text.find(s, search_from)) >= 0]
-    if not hits:
-        return text, False
-    return text[: min(hits)], True

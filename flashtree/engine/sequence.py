@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from flashtree.engine.stops import StopMatcher
 from flashtree.sampling import SamplingParams
 
 STAGES = ("prefill", "draft", "tree", "verify", "commit")
@@ -98,6 +99,7 @@ class Request:
     text: str = ""
     prefix_offset: int = 0  # incremental detokenization window: ids[prefix_offset:read_offset]
     read_offset: int = 0  # was decoded last round
+    stops: StopMatcher | None = None  # where the text stands in its stop strings (made on first use)
     stats: RequestStats = field(default_factory=RequestStats)
     seed: int = 0  # keys the sampling noise: derived from params.seed, or fresh random bits (see add_group)
     group: RequestGroup | None = None
@@ -109,6 +111,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def held_back(self) -> int:
+        """Characters at the end of `text` that could still grow into a stop string: a stream
+        withholds them, since the engine cuts the text before a stop string once it is whole."""
+        return 0 if self.stops is None or self.finished else self.stops.held
 
     @property
     def num_tokens(self) -> int:

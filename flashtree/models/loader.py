@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from flashtree.config import looks_like_hub_id
 from flashtree.errors import FlashtreeError
 
 if TYPE_CHECKING:
@@ -51,19 +52,39 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
             raise FlashtreeError(f"{path} has no config.json; point at an HF checkpoint directory")
         return path
     name = str(name_or_path)
-    looks_like_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
-    if not looks_like_id:
+    if not looks_like_hub_id(name):
         raise FlashtreeError(f"no such model directory: {name}; pass an existing path or a hub id like Qwen/Qwen3-8B")
-    try:
-        from huggingface_hub import snapshot_download
+    return fetch_from_hub(name, HUB_FILES)
 
-        return Path(snapshot_download(name, allow_patterns=HUB_FILES))
-    except Exception as e:  # offline, unknown repo, gated repo: all end the same way for the user
-        reason = type(e).__name__
-        raise FlashtreeError(
-            f"could not fetch {name!r} from the Hugging Face hub ({reason}); "
-            "check the id and your connection, or download it and pass the local directory"
-        ) from None
+
+def fetch_from_hub(name: str, patterns: list[str]) -> Path:
+    """The local snapshot of hub id `name` (its files matching `patterns`), downloaded if need be.
+    Failing, one line that says first whether the hub could be reached at all."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.utils import (GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled,
+                                       RepositoryNotFoundError)
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns))
+    except LocalEntryNotFoundError as e:  # not cached, and the hub was not asked or did not answer
+        if isinstance(e.__cause__, OfflineModeIsEnabled) or constants.HF_HUB_OFFLINE:
+            raise FlashtreeError(f"{name!r} is a Hugging Face hub id, but HF_HUB_OFFLINE is set and it is not in the "
+                                 f"local cache ({constants.HF_HUB_CACHE}); unset HF_HUB_OFFLINE, or pass a local "
+                                 "directory") from None
+        cause = e.__cause__ or e.__context__
+        reason = f"{type(cause).__name__}: {cause}" if cause is not None else "no answer"
+        raise FlashtreeError(f"cannot reach the Hugging Face hub ({constants.ENDPOINT}: {reason.splitlines()[0]}) "
+                             f"and {name!r} is not in the local cache; check the connection, or pass a local "
+                             "directory") from None
+    except GatedRepoError:
+        raise FlashtreeError(f"{name!r} is gated on the Hugging Face hub: accept its terms on the model page and "
+                             "log in (`hf auth login`), or pass a local directory") from None
+    except RepositoryNotFoundError:
+        raise FlashtreeError(f"no model {name!r} on the Hugging Face hub (or it is private); check the id, or pass a "
+                             "local directory") from None
+    except Exception as e:  # anything else the hub client raises
+        raise FlashtreeError(f"could not fetch {name!r} from the Hugging Face hub ({type(e).__name__}); check the id "
+                             "and your connection, or download it and pass the local directory") from None
 
 
 # ---- configs through transformers ----------------------------------------------------------------

@@ -1,20 +1,23 @@
 """The tensor-parallel worker processes, started by flashtree itself (no torchrun), as vLLM does.
 
 The user's process is rank 0: it owns the scheduler, the tokenizer and (in `flashtree serve`)
-the HTTP server, and it starts ranks 1..N-1 once per process (torch.multiprocessing, spawn),
-reused by every tensor-parallel engine it builds. Each worker builds the same LLMEngine on its
-slice of the target and then mirrors rank 0's runner:
+the HTTP server, and it starts ranks 1..N-1 once per process, reused by every
+tensor-parallel engine it builds. A worker is a fresh `python -m flashtree.parallel.worker`
+that is told its rank, the rendezvous port and its control socket on the command line; it
+never imports the user's script (multiprocessing's spawn re-imports `__main__`, which fails
+for code read from stdin or run without a main guard). Each worker builds the same LLMEngine
+on its slice of the target and then mirrors rank 0's runner:
 
 - control: each engine call on rank 0 (a runner method with its arguments: slots, bonus tokens,
-  request parameters, small pickled objects) goes first to every worker over its own pipe.
-  A pipe, not a collective: an idle server's workers can wait for hours without a collective
+  request parameters, small pickled objects) goes first to every worker over its own socket.
+  A socket, not a collective: an idle server's workers can wait for hours without a collective
   timing out, and a worker sees EOF and exits when rank 0 goes away;
 - data: the collectives inside the sharded forward (flashtree.parallel.shard), NCCL on CUDA,
   gloo on the CPU. Every rank then holds the same full logits, builds the same tree, walks it
   with the same counter-based sampling noise and commits the same nodes, so no result is sent
   back. With FLASHTREE_TP_CHECK=1 each worker also returns a digest of every call's result and
   its cache lengths, and rank 0 raises if they differ from its own (a debugging aid);
-- failure: a watchdog thread in rank 0 waits on the workers' process sentinels. When a worker
+- failure: a watchdog thread in rank 0 waits on each worker process. When a worker
   dies, rank 0's next (or current) call raises FlashtreeError "tensor-parallel worker 1 exited
   with code ...; see its log above" (the worker's traceback is on the shared stderr); an NCCL
   collective that would wait for the dead rank forever is aborted, gloo's fails by itself.
@@ -33,12 +36,16 @@ import logging
 import os
 import pickle
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -97,25 +104,24 @@ class Cluster:
         self.ids = itertools.count()
         self.drops: collections.deque[int] = collections.deque()  # engines garbage-collected on rank 0
         self.closing = False
-        self.procs, self.pipes = [], []
-        ctx = torch.multiprocessing.get_context("spawn")
+        self.procs: list[subprocess.Popen] = []
+        self.pipes: list[Channel] = []
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=TIMEOUT))
         threads = torch.get_num_threads()
         for rank in range(1, world):
-            mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, name=f"flashtree-tp{rank}", daemon=True,
-                               args=(rank, world, store.port, theirs, devices[rank], threads, self.check_results))
-            proc.start()
+            mine, theirs = socket.socketpair()
+            self.procs.append(start_worker(rank, world, store.port, theirs.fileno(), devices[rank], threads,
+                                           self.check_results))
             theirs.close()
-            self.procs.append(proc)
-            self.pipes.append(mine)
+            self.pipes.append(Channel(mine.detach()))
+        for rank in range(1, world):
+            threading.Thread(target=self._watch, args=(rank,), name=f"flashtree-tp{rank}-watchdog", daemon=True).start()
         for rank in range(1, world):  # imports done: the group's rendezvous cannot wait on a dead one
             self.receive(rank, "ready")
         dist.init_process_group(self.backend, store=store, rank=0, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIMEOUT), device_id=self._device_id())
         self.store = store
-        threading.Thread(target=self._watch, name="flashtree-tp-watchdog", daemon=True).start()
         atexit.register(self.close)
 
     def _device_id(self):
@@ -123,13 +129,12 @@ class Cluster:
 
     # ---- liveness --------------------------------------------------------------------------
 
-    def _watch(self) -> None:
-        sentinels = [p.sentinel for p in self.procs]
-        rank = sentinels.index(wait(sentinels)[0]) + 1
+    def _watch(self, rank: int) -> None:
+        proc = self.procs[rank - 1]
+        proc.wait()
         if self.closing:
             return
-        self.procs[rank - 1].join(timeout=1.0)
-        log.error("tensor-parallel worker %d exited with code %s", rank, self.procs[rank - 1].exitcode)
+        log.error("tensor-parallel worker %d exited with code %s", rank, proc.returncode)
         if self.backend == "nccl":  # NCCL would wait for the dead rank until the timeout
             try:
                 dist.distributed_c10d._abort_process_group()
@@ -138,7 +143,7 @@ class Cluster:
 
     @property
     def dead(self) -> bool:
-        return any(p.exitcode is not None for p in self.procs)
+        return any(p.poll() is not None for p in self.procs)
 
     def check(self, grace: float = 0.0) -> None:
         """Raise the one-line error if a worker is gone (waiting up to `grace` seconds for a dying
@@ -148,8 +153,8 @@ class Cluster:
         deadline = time.monotonic() + grace
         while True:
             for rank, p in enumerate(self.procs, 1):
-                if p.exitcode is not None:
-                    raise FlashtreeError(f"tensor-parallel worker {rank} exited with code {p.exitcode}; "
+                if p.poll() is not None:
+                    raise FlashtreeError(f"tensor-parallel worker {rank} exited with code {p.returncode}; "
                                          "see its log above")
             if time.monotonic() >= deadline:
                 return
@@ -204,13 +209,53 @@ class Cluster:
             except OSError:
                 pass
         for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
                 p.terminate()
+                p.wait()
+        for pipe in self.pipes:
+            pipe.close()
         try:
             dist.destroy_process_group()
         except Exception:  # a dead peer can leave the group unable to shut down cleanly
             pass
+
+
+class Channel:
+    """One end of a control socket, carrying whole pickled messages. Plain pickle, not
+    multiprocessing's: that one would send tensors as shared-memory handles, which only a
+    process multiprocessing itself started can open."""
+
+    def __init__(self, fd: int) -> None:
+        self.conn = Connection(fd)
+
+    def send(self, message) -> None:
+        self.conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+
+    def recv(self):
+        return pickle.loads(self.conn.recv_bytes())
+
+    def poll(self, timeout: float) -> bool:
+        return self.conn.poll(timeout)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def start_worker(rank: int, world: int, port: int, fd: int, device: torch.device, threads: int,
+                 check: bool) -> subprocess.Popen:
+    """`python -m flashtree.parallel.worker` for one rank, importing this same flashtree (its
+    package root goes first on PYTHONPATH; -P keeps the working directory off sys.path). Its
+    warnings would repeat rank 0's, which runs the same code: only rank 0 prints them."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+               TRANSFORMERS_VERBOSITY="error")
+    isolate = ["-P"] if sys.version_info >= (3, 11) else []
+    cmd = [sys.executable, *isolate, "-W", "ignore", "-m", "flashtree.parallel.worker", "--rank", str(rank),
+           "--world", str(world),
+           "--port", str(port), "--fd", str(fd), "--device", str(device), "--threads", str(threads)]
+    return subprocess.Popen(cmd + (["--check"] if check else []), env=env, pass_fds=(fd,), stdin=subprocess.DEVNULL)
 
 
 _cluster: Cluster | None = None
@@ -302,7 +347,8 @@ def _collect(cluster: Cluster, engine_id: int, failed: bool) -> None:
 # ---- the worker process ------------------------------------------------------------------------
 
 
-def worker_main(rank: int, world: int, port: int, pipe, device: torch.device, threads: int, check: bool) -> None:
+def worker_main(rank: int, world: int, port: int, pipe: Channel, device: torch.device, threads: int,
+                check: bool) -> None:
     """Ranks 1..N-1: build the engines rank 0 builds and run every call it sends, until it stops
     or goes away. An exception other than FlashtreeError (which rank 0 meets too) ends the
     process with its traceback on stderr, and rank 0 reports the exit."""

@@ -22,7 +22,7 @@ from flashtree import __version__
 from flashtree.config import DEMO_TARGET
 from flashtree.engine import LLMEngine
 from flashtree.server.errors import APIError, install_error_handlers
-from flashtree.server.limits import BodyLimit
+from flashtree.server.limits import BodyLimit, check_seconds
 from flashtree.server.loop import EngineLoop, RequestStream
 from flashtree.server.metrics import ServerMetrics
 from flashtree.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -37,7 +37,8 @@ TOKENIZER_THREADS = min(4, os.cpu_count() or 1)
 ERRORS = {status: {"model": ErrorResponse, "description": what} for status, what in
           [(400, "invalid request (the message names the field and the limit)"), (404, "unknown model"),
            (408, "the request body did not arrive in time"), (413, "the request body is over 8 MiB"),
-           (429, "the waiting queue is full; retry later"), (503, "the server is shutting down")]}
+           (429, "the waiting queue is full; retry later"), (431, "the request head is over 16 KiB"),
+           (503, "the server is shutting down")]}
 
 
 def default_model_name(target: str) -> str:
@@ -60,6 +61,7 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
     """An app that owns `engine` through its own engine thread, started and stopped by the lifespan.
 
     read_timeout: seconds a client gets to send a request body (408 after that)."""
+    check_seconds("read_timeout", read_timeout, zero_ok=False)
     metrics = ServerMetrics(registry)
     loop = EngineLoop(engine, metrics)
     pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="flashtree-tokenize")
@@ -98,7 +100,8 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
         if params.num_samples > engine.config.max_batch:
             field = "best_of" if params.best_of else "n"
             raise APIError(400, f"{field}={params.num_samples} samples are decoded together, but this server "
-                           f"decodes at most {engine.config.max_batch} requests at once (--max-batch)", field)
+                           f"decodes at most {engine.config.max_batch} requests at once (--max-batch)", field,
+                           "integer_above_max_value")
         return params
 
     async def tokenize(encode, *args) -> list[int]:
@@ -159,7 +162,8 @@ def build_app(engine: LLMEngine, model_name: str | None = None, registry: Collec
         ids = await tokenize(engine.encode, body.prompt)
         shape = CompletionShape(new_id("cmpl"), int(time.time()), name, **shape_args(params))
         if body.echo:
-            shape.echo_text = body.prompt if isinstance(body.prompt, str) else engine.decode(ids)
+            shape.echo_text = body.prompt if isinstance(body.prompt, str) else \
+                await asyncio.get_running_loop().run_in_executor(pool, engine.decode, ids)
             shape.echo_ids = ids
         return await run(request, body, ids, params, shape)
 

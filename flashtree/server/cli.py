@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
-from flashtree.cli import add_engine_args, engine_kwargs, positive_int
+from flashtree.cli import add_engine_args, add_length_args, engine_kwargs, positive_int
 from flashtree.config import EngineConfig
 
 # Flags that map onto EngineConfig fields; unset ones keep EngineConfig's defaults.
-ENGINE_LIMITS = ("max_batch", "max_model_len", "max_queue", "max_round_tokens", "max_prefill_tokens")
+ENGINE_LIMITS = ("max_batch", "max_model_len", "max_queue", "max_round_tokens", "max_prefill_tokens",
+                 "allow_long_max_model_len")
 
 
 def port(text: str) -> int:
@@ -22,14 +24,26 @@ def port(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
-    return value
+def bad_seconds(value: float, zero_ok: bool) -> str | None:
+    """Why `value` cannot be a timeout in seconds, or None when it can."""
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        return f"expected a {'non-negative' if zero_ok else 'positive'} finite number of seconds, got {value:g}"
+    return None
+
+
+def seconds(zero_ok: bool):
+    """An argparse type for a timeout: positive seconds (or also 0, when zero_ok)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+        if (why := bad_seconds(value, zero_ok)) is not None:
+            raise argparse.ArgumentTypeError(why)
+        return value
+
+    return parse
 
 
 def startup_line(engine, name: str, url: str) -> str:
@@ -66,7 +80,7 @@ def register(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 to listen on all interfaces)")
     p.add_argument("--port", type=port, default=8000, help="1..65535 (default 8000)")
     p.add_argument("--max-batch", type=positive_int, help=f"requests decoded together: cache slots (default {d.max_batch})")
-    p.add_argument("--max-model-len", type=positive_int, help="prompt + output tokens (default: min(target limit, 4096))")
+    add_length_args(p)
     p.add_argument("--max-queue", type=positive_int,
                    help=f"requests waiting for a slot (beyond the free ones) before a 429 (default {d.max_queue})")
     p.add_argument("--max-round-tokens", type=positive_int,
@@ -78,10 +92,10 @@ def register(subparsers) -> None:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="always prefill whole prompts (by default a prompt prefix that a cache slot holds is reused)")
     p.add_argument("--served-model-name", help="the `model` clients send (default: flashtree-demo or the dir name)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on SIGTERM before they are aborted (default 30); "
-                   "a second SIGTERM exits at once")
-    p.add_argument("--read-timeout", type=positive_float, default=30.0,
+    p.add_argument("--shutdown-timeout", type=seconds(zero_ok=True), default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM before they are aborted (default 30; "
+                   "0 aborts them at once); a second SIGTERM exits at once")
+    p.add_argument("--read-timeout", type=seconds(zero_ok=False), default=30.0,
                    help="seconds a client gets to send a request's headers, and again its body (default 30)")
     p.add_argument("--keep-alive-timeout", type=positive_int, default=5,
                    help="seconds an idle keep-alive connection stays open (default 5)")

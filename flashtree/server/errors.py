@@ -126,7 +126,15 @@ def install_error_handlers(app: FastAPI, on_refusal) -> None:
             return error_response(400, "malformed JSON body: it could not be parsed as UTF-8 JSON", None,
                                   "invalid_value")
         # Starlette's own refusals: 404 unknown route, 405 wrong method.
-        return error_response(exc.status_code, str(exc.detail), None, None, headers=getattr(exc, "headers", None))
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message, code = f"no such endpoint: {where}; the API is under /v1 (see /docs)", "unknown_url"
+        elif exc.status_code == 405:
+            allowed = (getattr(exc, "headers", None) or {}).get("Allow", "another method")
+            message, code = f"{where} is not allowed; this endpoint takes {allowed}", "method_not_allowed"
+        else:
+            message, code = str(exc.detail), "http_error"
+        return error_response(exc.status_code, message, None, code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import uvicorn
 
-from flashtree.server.limits import MAX_HEADER_BYTES, timed_h11
+from flashtree.server.limits import MAX_HEADER_BYTES, check_seconds, timed_h11
 
 BACKSTOP_S = 10.0
 KEEP_ALIVE_S = 5  # idle keep-alive connections are closed after this
@@ -27,9 +27,13 @@ KEEP_ALIVE_S = 5  # idle keep-alive connections are closed after this
 class GracefulServer(uvicorn.Server):
     def __init__(self, app, grace: float = 30.0, read_timeout: float = 30.0,
                  on_ready: Callable[[str], None] | None = None, **config) -> None:
+        check_seconds("grace", grace, zero_ok=True)
+        check_seconds("read_timeout", read_timeout, zero_ok=False)
         config.setdefault("timeout_keep_alive", KEEP_ALIVE_S)
+        # ws="none": an Upgrade request is plain HTTP to the app (a JSON 404/405), not a WebSocket
+        # handshake that uvicorn would refuse with a bare 403.
         super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=grace + BACKSTOP_S, http=timed_h11(read_timeout),
-                                        h11_max_incomplete_event_size=MAX_HEADER_BYTES, **config))
+                                        h11_max_incomplete_event_size=MAX_HEADER_BYTES, ws="none", **config))
         self.engine_loop = app.state.engine_loop
         self.grace = grace
         self.on_ready = on_ready

@@ -11,18 +11,31 @@ cannot parse. Here:
   (request line and headers) has not arrived `read_timeout` seconds after it opened or
   after its previous response; uvicorn alone waits for ever before the first request.
   Idle keep-alive connections are closed by uvicorn's own `timeout_keep_alive`.
+- The same protocol answers a request head over MAX_HEADER_BYTES with a 431, however it
+  arrives (h11's own bound only applies to a head still incomplete in its buffer, so a large
+  head in one write went through), and a request h11 cannot parse (a garbage request line,
+  a bad Content-Length) with a 400; both as OpenAI error objects, where uvicorn sends plain
+  text, and both close the connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http
+import re
 
+import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from flashtree.errors import FlashtreeError
+from flashtree.server.cli import bad_seconds
 from flashtree.server.errors import error_response
 
-MAX_HEADER_BYTES = 16 << 10  # request line + headers; h11 answers 431 beyond it
+MAX_HEADER_BYTES = 16 << 10  # request line + headers; a 431 beyond it
+BLANK_LINE = re.compile(b"\n\r?\n")  # the end of a request head, as h11 finds it
+HEAD_TOO_LARGE = (431, f"the request head (request line and headers) is over {MAX_HEADER_BYTES >> 10} KiB",
+                  "headers_too_large")
 
 
 class BodyLimit:
@@ -82,6 +95,16 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
+def check_seconds(name: str, value: float, zero_ok: bool) -> None:
+    if (why := bad_seconds(value, zero_ok)) is not None:
+        raise FlashtreeError(f"{name}: {why}")
+
+
+def head_too_large(buffered: bytes, limit: int) -> bool:
+    """Whether the request head that `buffered` starts with is, or will be, over `limit` bytes."""
+    return len(buffered) > limit and BLANK_LINE.search(buffered, 0, limit) is None
+
+
 class TimedH11Protocol(H11Protocol):
     read_timeout: float = 30.0  # set per server by `timed_h11(seconds)`
 
@@ -101,6 +124,31 @@ class TimedH11Protocol(H11Protocol):
         idle = self.cycle is cycle and (cycle is None or cycle.response_complete)
         if idle and not self.transport.is_closing():
             self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and head_too_large(self.conn.trailing_data[0] + data, MAX_HEADER_BYTES):
+            self._refuse(*HEAD_TOO_LARGE)
+            return
+        super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 cannot parse (or a pipelined head h11 found too long)."""
+        if head_too_large(self.conn.trailing_data[0], MAX_HEADER_BYTES):
+            self._refuse(*HEAD_TOO_LARGE)
+        else:
+            self._refuse(400, "malformed HTTP request: the request line, a header or the body framing could not be "
+                         "parsed", "invalid_http_request")
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        """An OpenAI error object, then close: written directly, as h11 may be past answering."""
+        if self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete:
+            self.transport.close()  # an answer is under way: nothing sensible can follow it
+            return
+        response = error_response(status, message, None, code, headers={"connection": "close"})
+        head = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}".encode()]
+        head += [name + b": " + value for name, value in response.raw_headers]
+        self.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + response.body)
+        self.transport.close()
 
 
 def timed_h11(read_timeout: float) -> type[H11Protocol]:

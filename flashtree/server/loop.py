@@ -38,9 +38,10 @@ class EngineFailed(RuntimeError):
 
 @dataclass
 class Update:
-    """One sample's progress after a round. `text` is cumulative (the engine's trimmed text);
-    token_ids and logprobs are the sample's own lists, which the engine only appends to: read
-    them up to completion_tokens."""
+    """One sample's progress after a round. `text` is cumulative (the engine's trimmed text), of
+    which the last `held` characters could still become a stop string; token_ids and logprobs
+    are the sample's own lists, which the engine only appends to: read them up to
+    completion_tokens."""
 
     text: str
     completion_tokens: int
@@ -50,6 +51,7 @@ class Update:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # sample 0 of a request that asked for them
+    held: int = 0
 
 
 class RequestStream:
@@ -122,7 +124,7 @@ def update_of(req: Request, error: BaseException | None = None, reason: str | No
     if reason is None and req.finished:
         reason = req.finish_reason
     return Update(req.text, len(req.output_ids), reason, error, req.index, req.output_ids, req.logprobs,
-                  req.prompt_logprobs)
+                  req.prompt_logprobs, req.held_back)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -14,7 +14,7 @@ from typing import Annotated, ClassVar, Literal, TypeVar
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from flashtree.sampling import MAX_LOGPROBS, SamplingParams
+from flashtree.sampling import MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams
 
 INT64 = 2**63
 MAX_STOP = 16
@@ -104,7 +104,8 @@ class SamplingFields(Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: TopK = Field(0, description="0 or -1 = off (extension)")
     max_tokens: TokenCount | None = Field(None, description="capped by the context left after the prompt")
-    stop: Stop | list[Stop] | None = Field(None, description=f"up to {MAX_STOP} stop strings")
+    stop: Stop | list[Stop] | None = Field(None, description=f"up to {MAX_STOP} stop strings, {MAX_STOP_CHARS} "
+                                           "characters in all")
     seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -118,9 +119,18 @@ class SamplingFields(Strict):
     def _few_stops(cls, v):
         if isinstance(v, list) and len(v) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop strings")
+        chars = len(v) if isinstance(v, str) else sum(map(len, v or []))
+        if chars > MAX_STOP_CHARS:
+            raise ValueError(f"the stop strings have {chars} characters in all; at most {MAX_STOP_CHARS} are allowed")
         return v
 
     n: Samples = Field(1, description="choices to return; they share the prompt's prefill")
+
+    @model_validator(mode="after")
+    def _stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise field_error("stream_options", "only allowed when stream is true (as in OpenAI's API)")
+        return self
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

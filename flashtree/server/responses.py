@@ -24,7 +24,7 @@ from flashtree.server.loop import EngineStopped, RequestStream, Update
 from flashtree.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                        ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob,
                                        CompletionChoice, CompletionLogprobs, CompletionResponse, TopLogprob, Usage)
-from flashtree.server.sse import DONE, safe_end, sse
+from flashtree.server.sse import DONE, sse
 
 LOGPROB_FLOOR = -9999.0
 Pieces = Callable[[list[int]], list[tuple[str, bytes]]]  # token ids -> (text, bytes) each (engine.token_pieces)
@@ -50,15 +50,17 @@ class Choice:
     def text(self, update: Update) -> str:
         return self.echo_text + update.text
 
-    def entries(self, update: Update, logprobs: bool) -> list[tuple[int, TokenLogprob | None]]:
+    def entries(self, update: Update, logprobs: bool, start: int = 0) -> list[tuple[int, TokenLogprob | None]]:
+        """The entries from index `start` on (a stream asks only for those it has not sent)."""
         if not logprobs:
             return []
         out: list[tuple[int, TokenLogprob | None]] = []
-        if self.echo_ids:
+        echoed = len(self.echo_ids)
+        if start < echoed:
             prompt = update.prompt_logprobs or [None]
-            out += [(t, prompt[i] if i < len(prompt) else None) for i, t in enumerate(self.echo_ids)]
+            out += [(self.echo_ids[i], prompt[i] if i < len(prompt) else None) for i in range(start, echoed)]
         n = update.completion_tokens
-        out += [(lp.token, lp) for lp in (update.logprobs or [])[:n]]
+        out += [(lp.token, lp) for lp in (update.logprobs or [])[max(0, start - echoed):n]]
         return out
 
 
@@ -184,10 +186,13 @@ def final_choices(stream: RequestStream, shape: Shape) -> tuple[list[tuple[str, 
 
 
 async def events(stream: RequestStream, shape: Shape, prompt_tokens: int, include_usage: bool):
-    """The SSE lines of one streamed request (n choices; best_of > n is refused for streams)."""
-    stops = stream.params.stop
+    """The SSE lines of one streamed request (n choices; best_of > n is refused for streams).
+
+    Each event costs what it sends: the text past what was sent, up to the characters the
+    engine holds back for stop strings, and the logprob entries past those sent."""
     view = shape.choice_view()
-    sent_text = [""] * shape.n
+    sent_chars = [0] * shape.n  # of the sample's own text (the echo goes with the first chunk)
+    echoed = [not view.echo_text] * shape.n
     sent_entries = [0] * shape.n
     offsets = [0] * shape.n
     done: dict[int, Update] = {}
@@ -205,11 +210,12 @@ async def events(stream: RequestStream, shape: Shape, prompt_tokens: int, includ
             if i in done:
                 continue
             finished = update.finish_reason is not None
-            full = view.text(update)
-            text = full if finished else full[: safe_end(full, stops)]
-            delta = text[len(sent_text[i]):] if text.startswith(sent_text[i]) else ""
-            sent_text[i] += delta
-            entries = view.entries(update, shape.logprobs is not None)[sent_entries[i]:]
+            end = len(update.text) if finished else len(update.text) - update.held
+            delta = update.text[sent_chars[i]:end]
+            sent_chars[i] = max(sent_chars[i], end)
+            if not echoed[i]:
+                delta, echoed[i] = view.echo_text + delta, True
+            entries = view.entries(update, shape.logprobs is not None, sent_entries[i])
             sent_entries[i] += len(entries)
             if delta or entries or finished:
                 yield chunk_line(shape.chunk(i, delta, update.finish_reason, entries, offsets[i]))

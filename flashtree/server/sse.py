@@ -1,9 +1,9 @@
-"""Server-sent events: framing, stop-string hold-back, and a response that notices hang-ups.
+"""Server-sent events: framing, and a response that notices hang-ups.
 
-Why a hold-back: the engine cuts the text before a stop string only once the whole stop
-string has appeared, possibly a round later. A stream that had already sent the first half
-of the stop string could not take it back, and the streamed text would differ from the
-non-streamed one. So a stream withholds any tail that could still grow into a stop string.
+A stream withholds the text that could still grow into a stop string (the engine cuts the
+text before a stop string only once the whole of it has appeared, possibly a round later,
+and a stream cannot take back what it sent); the engine's stop matcher says how much that
+is (`Request.held_back`, flashtree/engine/stops.py), so a stream never scans its text.
 """
 
 from __future__ import annotations
@@ -20,17 +20,6 @@ DONE = "data: [DONE]\n\n"
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def safe_end(text: str, stops: list[str]) -> int:
-    """Length of the prefix of `text` that no stop string can still reach into."""
-    end = len(text)
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                end = min(end, len(text) - k)
-                break
-    return end
 
 
 class SSEResponse(StreamingResponse):
