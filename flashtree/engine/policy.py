@@ -4,8 +4,9 @@ nodes, whichever measured acceptance and measured round costs predict gives the 
     rate(arm) = (R + sum over drafting rows r of E_r(arm)) / seconds(R, arm, drafting rows)
 
 E_r is measured, not forecast. A verified tree of B nodes tells exactly what every top-b tree with
-b <= B would have accepted (ranks grow along a path: `by_size`), and its spine what the chain would
-have, so one round measures many arms. Acceptance comes in streaks, and big trees tend to be played
+b <= B would have accepted (ranks grow along a path: `by_size`), so one round measures many arms;
+the chain is measured in its own rounds (along a tree's spine its walk is cut short where the
+spine ends, which would bias it low). Acceptance comes in streaks, and big trees tend to be played
 when it runs high, so an arm's estimate is paired: shape(arm) x (level + P). The shape is a slow
 average, per sampling class, of the arm's accepted tokens over (P + a base every drafting round
 measures alike: the accepted path's first BASE spine nodes); the level is the request's own recent
@@ -18,9 +19,10 @@ and rows join the drafting set in order of gain while each pays for its share of
 all its rows or none.
 
 Safe starts: a class with nothing measured plays the chain (which measures) when the cost model
-says the chain pays with half its depth accepted (the priors), else AR steps. Exploration (a bigger tree, or
-an arm measured in few rows) is paid from a credit of EXPLORE of the time drafting has saved over
-AR steps plus PROBE of all time, so a workload where drafting never pays loses at most PROBE.
+says the chain pays with half its depth accepted (the priors), else AR steps. Exploration (an arm
+measured in few rows, or not for a few hundred rounds) is paid from a credit of EXPLORE of the
+time drafting has saved over AR steps plus PROBE of all time, so a workload where drafting never
+pays loses at most about PROBE.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ AR, CHAIN, TREE = 0, 1, 2
 MODE_NAMES = ("ar", "chain", "tree")
 BASE, P = 3, 0.5  # the paired base (spine nodes), and the tokens added to both sides of a shape
 LEVEL_RATE, REQUEST_RATE, SHAPE_RATE = 0.05, 0.3, 0.02  # EMA weights: per class row, per request round, per row
-KNOWN = 8  # rows measured before an arm's shape is trusted without exploring it
-PRIOR_ROWS = 2  # the weight, in rows, of the level's and the chain's priors
-EXPLORE, PROBE = 0.05, 0.005  # exploration credit: of the time drafting saved, and of all round time
+KNOWN = 8  # rows measured (fading, FADE a round) before an arm's shape is trusted without exploring it
+FADE = 0.99  # per round of its class, so an arm not played for a few hundred rounds is tried again
+PRIOR_ROWS = 8  # the weight, in rows, of the level's and the chain's priors
+SETTLE_ROWS = 64  # rows measured before a class whose drafts do not pay seats requests plain
+EXPLORE, PROBE = 0.05, 0.02  # exploration credit: of the time drafting saved, and of all round time
 FACTOR_RATE = 0.1  # EMA weight of a timed round in its arm's cost factor
 HOLD_MAX = 32  # rounds AR steps may be decided ahead while the batch stays the same
 SCOUT = 8  # requests seated while their class is settled on AR steps: one in this many may draft
@@ -199,13 +203,15 @@ class Policy:
 
     def expected(self, classes: list[int], levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[rows, arms]: the drafted tokens each row (its class, its level) is expected to keep,
-        and how many rows each estimate rests on (capped at KNOWN). An arm never measured takes
-        the best smaller tree's (a bigger tree keeps at least what a smaller one does)."""
+        and how many rows each estimate rests on (capped at KNOWN). A tree never measured is
+        expected to keep what the chain's first b nodes would, and no tree less than a smaller one."""
         shapes, known = {}, {}
         for c in set(classes):
             st = self._stats(c)
-            trees = np.fmax.accumulate(np.nan_to_num(st.shape[: self.chain_arm], nan=0.0))
-            shapes[c], known[c] = np.append(trees, st.shape[self.chain_arm]), np.minimum(st.rows, KNOWN)
+            chain = st.shape[self.chain_arm]
+            trees = np.where(np.isnan(st.shape[: self.chain_arm]), chain * self.cap[:-1] / self.depth,
+                             st.shape[: self.chain_arm])
+            shapes[c], known[c] = np.append(np.maximum.accumulate(trees), chain), np.minimum(st.rows, KNOWN)
         out = np.stack([shapes[c] for c in classes]) * (np.asarray(levels)[:, None] + P)
         return np.minimum(out, self.cap), np.stack([known[c] for c in classes])
 
@@ -296,20 +302,20 @@ class Policy:
             for n, i in enumerate(plan.draft_rows):
                 s = slots[i]
                 st = self._stats(self.cls[s])
-                if plan.tree_rows:
-                    counts, run, censored = measured[n]
+                if plan.tree_rows:  # every smaller tree, exactly; the chain only from its own rounds
+                    counts, run, _ = measured[n]
                     base = min(run, BASE)
                     for arm, got in enumerate(counts):
                         st.measured(arm, got, base)
-                    if not censored:
-                        st.measured(self.chain_arm, run, base)
                 else:
                     base = min(accepted[i], BASE)
                     st.measured(self.chain_arm, accepted[i], base)
                 st.leveled(base)
                 self.level[s] += REQUEST_RATE * (base - self.level[s])
         for c in {self.cls[s] for s in slots}:
-            self._stats(c).credit += credit
+            st = self._stats(c)
+            st.credit += credit
+            st.rows *= FADE
         if plan.arm is None and plan.seconds:
             self._timed(-1, plan.seconds / self.factor[-1], seconds)
 
@@ -328,7 +334,7 @@ class Policy:
         the class measured."""
         cls = sampling_class(params)
         st = self._stats(cls)
-        if not st.level_rows:
+        if st.level_rows < SETTLE_ROWS:
             return True
         rows = max(1, min(rows, len(self.owner)))
         ar_seconds, table = self.seconds(rows)
