@@ -168,6 +168,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the physical cores; use 1 on a shared machine)")
     p.add_argument("--no-selector", action="store_true",
                    help="with a DFlash2 drafter, build the tree from its marginals, not its candidate selector")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=3,
+                   help="method mtp: tokens the MTP head drafts per round, recursively (default 3)")
+    p.add_argument("--mtp-head", help="method mtp: an MTP head dir (from `flashtree train train --mtp`) or a "
+                                      "checkpoint with mtp.* tensors (default: the target's own)")
 
 
 def add_length_args(p: argparse.ArgumentParser) -> None:
@@ -191,7 +195,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(target=args.target, drafter=args.drafter, method=args.method, budget=args.budget,
                 device=args.device, dtype=args.dtype, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                 use_selector=False if getattr(args, "no_selector", False) else None,
-                compile=getattr(args, "compile", False))
+                compile=getattr(args, "compile", False), num_speculative_tokens=args.num_speculative_tokens,
+                mtp_head=args.mtp_head)
 
 
 def read_prompt(text: str) -> str:
@@ -270,7 +275,7 @@ def announce(args: argparse.Namespace) -> None:
 
 def prepare(args: argparse.Namespace) -> None:
     """Checks and settings for the shared flags, before any model is loaded."""
-    for flag in ("target", "drafter"):
+    for flag in ("target", "drafter", "mtp_head"):
         check_hub_id(getattr(args, flag, None))
     check_device(getattr(args, "device", None))
     if hasattr(args, "threads"):
@@ -284,8 +289,8 @@ def prepare(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        for flag in ("target", "drafter"):  # instant checks first: bad input gets its line alone
-            check_model_path(f"--{flag}", getattr(args, flag, None))
+        for flag in ("target", "drafter", "mtp_head"):  # instant checks first: bad input gets its line alone
+            check_model_path(f"--{flag.replace('_', '-')}", getattr(args, flag, None))
         announce(args)
         prepare(args)
         args.func(args)

@@ -7,11 +7,13 @@ from pathlib import Path
 
 from flashtree.errors import FlashtreeError
 
-METHODS = ("ar", "dflash", "ddtree")
+METHODS = ("ar", "dflash", "ddtree", "mtp")
 DEMO_DIR = Path(__file__).parent / "assets" / "demo"
 DEMO_TARGET = DEMO_DIR / "target"
 DEMO_DRAFTER = DEMO_DIR / "drafter"  # DFlash2 (candidate selector); see its recipe.json
 DEMO_DRAFTER_DFLASH1 = DEMO_DIR / "drafter-dflash1"  # the earlier DFlash-1 drafter, kept for comparison
+DEMO_MTP = DEMO_DIR / "mtp"  # an MTP head for the demo target (method="mtp"); see its recipe.json
+MAX_SPECULATIVE_TOKENS = 32
 
 
 def looks_like_hub_id(name: str) -> bool:
@@ -43,9 +45,14 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks the target is split over (flashtree starts the N - 1 workers)
     use_selector: bool | None = None  # DFlash2 drafters: None = use the selector; False = marginal trees (build_tree)
     # Capture a fixed method's rounds at start-up, one per (batch bucket, key bucket), and replay them
-    # (CUDA graphs on cuda; the same static buffers, eagerly, on cpu); budget="auto" runs eagerly.
+    # (CUDA graphs on cuda; the same static buffers, eagerly, on cpu); budget="auto" and mtp run eagerly.
     compile: bool = False
     static_shapes: bool | None = None  # pad every forward to a shape bucket; always on with compile
+    # method="mtp": the MTP head's recursive drafts per round (3, as vLLM and SGLang serve Qwen3.6) ...
+    num_speculative_tokens: int = 3
+    # ... and where the head is: None = the target's own mtp.* tensors (the demo target: its trained
+    # head); else a checkpoint that ships mtp.* tensors or a head from `flashtree train train --mtp`.
+    mtp_head: str | None = None
 
     @property
     def tree_budget(self) -> int:
@@ -69,12 +76,22 @@ class EngineConfig:
             raise FlashtreeError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.max_round_tokens < self.max_batch:
             raise FlashtreeError("max_round_tokens must be at least max_batch (one node per request)")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise FlashtreeError(f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, "
+                                 f"got {self.num_speculative_tokens!r}")
         if self.target is None:
             self.target = str(DEMO_TARGET)
-            if self.drafter is None and self.method != "ar":
+            if self.drafter is None and self.method not in ("ar", "mtp"):
                 self.drafter = str(DEMO_DRAFTER)
-        if self.method != "ar" and self.drafter is None:
+        if self.method == "mtp" and self.mtp_head is None and is_demo_target(self.target):
+            self.mtp_head = str(DEMO_MTP)
+        if self.method not in ("ar", "mtp") and self.drafter is None:
             raise FlashtreeError(
                 f"method {self.method!r} needs a drafter: pass drafter=/--drafter with a DFlash checkpoint, "
                 "or use method='ar'"
             )
+
+
+def is_demo_target(target: str) -> bool:
+    path = Path(target).expanduser()
+    return path.is_dir() and path.resolve() == DEMO_TARGET.resolve()

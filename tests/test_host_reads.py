@@ -1,4 +1,4 @@
-"""A round reads the device exactly once (the accepted counts and tokens), for every method, a fixed
+"""A round reads the device exactly once (the accepted counts and tokens), for every method (mtp too), a fixed
 and an auto budget, dense and hybrid targets, greedy and sampled requests together.
 
 On the CPU every tensor is a host tensor, so the test counts the calls that would read a device
@@ -21,6 +21,8 @@ from torch.overrides import TorchFunctionMode
 
 from flashtree import EngineConfig, LLMEngine, SamplingParams, sampler
 from flashtree.engine.runner import ModelRunner
+from flashtree.models.loader import read_config, text_config
+from flashtree.models.mtp import build_head, save_head
 from tiny import make_drafter, make_target
 
 TREE_DIR = str(Path(__file__).resolve().parents[1] / "flashtree" / "tree")
@@ -36,10 +38,13 @@ def pairs(tmp_path_factory):
     dense = make_target(root / "dense", vocab=32, logit_scale=3.0)
     hybrid, _ = make_qwen35(root / "hybrid", logit_scale=3.0)
     text = json.loads((hybrid / "config.json").read_text())
+    for target in (dense, hybrid, root / "wide"):  # a random MTP head for method="mtp"
+        if target.name == "wide":
+            make_target(target, vocab=300, logit_scale=3.0)
+        save_head(build_head(text_config(read_config(target))), target / "head", target)
     return {
         "dense": (dense, make_drafter(root / "dd", target_layers=4, vocab=32, block_size=6)),
-        "wide": (make_target(root / "wide", vocab=300, logit_scale=3.0),
-                 make_drafter(root / "wd", target_layers=4, vocab=300, block_size=6)),
+        "wide": (root / "wide", make_drafter(root / "wd", target_layers=4, vocab=300, block_size=6)),
         "hybrid": (hybrid, make_drafter(root / "hd", target_layers=text["num_hidden_layers"],
                                         vocab=text["vocab_size"], hidden=text["hidden_size"], block_size=6)),
     }
@@ -106,19 +111,19 @@ def _has_bool_index(index) -> bool:
 
 @pytest.mark.parametrize("shapes", ["exact", "static", "captured"])
 @pytest.mark.parametrize("kind", ["dense", "hybrid", "wide"])
-@pytest.mark.parametrize("method,budget", [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", "auto")])
+@pytest.mark.parametrize("method,budget", [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", "auto"), ("mtp", 1)])
 def test_a_round_reads_the_device_once(pairs, monkeypatch, kind, method, budget, shapes):
     """static: shapes padded to buckets (3 requests -> 4 rows, the 4th on the dummy slot);
-    captured: compile=True, rounds replayed from start-up captures (budget="auto" runs eagerly).
+    captured: compile=True, rounds replayed from start-up captures (budget="auto" and mtp run eagerly).
     wide: V = 300, past the sampler's first candidate level, on the sampler path an accelerator
     takes (the CPU's own path may read a few masks to settle top-p, where reads are free)."""
     if kind == "wide":
         monkeypatch.setattr(sampler, "ADAPTIVE_ON_CPU", False)
     target, drafter = pairs[kind]
-    engine = LLMEngine(EngineConfig(target=str(target), drafter=None if method == "ar" else str(drafter),
+    engine = LLMEngine(EngineConfig(target=str(target), drafter=None if method in ("ar", "mtp") else str(drafter),
                                     method=method, budget=budget, max_budget=16, device="cpu", max_batch=3,
                                     max_model_len=96, static_shapes=shapes == "static",
-                                    compile=shapes == "captured"))
+                                    compile=shapes == "captured", mtp_head=str(target / "head")))
     engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=30, ignore_eos=True))
     engine.add_request([7, 8], SamplingParams(temperature=0.8, top_k=10, top_p=0.9, seed=3, max_tokens=30,
                                               ignore_eos=True))
@@ -161,14 +166,14 @@ def reads_per_round(engine: LLMEngine, counter: ReadCounter, monkeypatch, rounds
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("captured", [False, True])
-@pytest.mark.parametrize("method,budget", [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", "auto")])
+@pytest.mark.parametrize("method,budget", [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", "auto"), ("mtp", 1)])
 def test_cuda_round_has_no_implicit_sync(pairs, monkeypatch, method, budget, captured):
     """The one read is the round's end; anything else that synchronises raises, and with stage
     timing left at its default no stage clock waits for the device."""
     target, drafter = pairs["dense"]
-    engine = LLMEngine(EngineConfig(target=str(target), drafter=None if method == "ar" else str(drafter),
+    engine = LLMEngine(EngineConfig(target=str(target), drafter=None if method in ("ar", "mtp") else str(drafter),
                                     method=method, budget=budget, max_budget=16, device="cuda", dtype="float32",
-                                    max_batch=3, max_model_len=96, compile=captured))
+                                    max_batch=3, max_model_len=96, compile=captured, mtp_head=str(target / "head")))
     waits = []
     for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"),
                         (torch.cuda.Event, "synchronize")):

@@ -37,9 +37,12 @@ def register(subparsers) -> None:
                     "results.json, results.md and PNG plots to --out.")
     add_engine_args(p)
     # --methods/--budgets replace the single-engine --method/--budget (kept as aliases).
-    p.add_argument("--methods", "--method", type=_list(str), default=None, help="default ar,dflash,ddtree")
+    p.add_argument("--methods", "--method", type=_list(str), default=None,
+                   help="default ar,dflash,ddtree; add mtp for the target's MTP head (the demo's trained one)")
     p.add_argument("--budgets", "--budget", type=_list(parse_budget, "integers or 'auto'"), default=None,
                    help="ddtree budgets, integers or 'auto' (default 4,8,...,1024,auto; --quick 8,32,128,auto)")
+    p.add_argument("--num-speculative-tokens", type=_list(int, "integers"), default=[3],
+                   help="mtp cells: the head's drafted tokens per round, one cell each (default 3)")
     p.add_argument("--temperatures", type=_list(float), default=None, help="default 0,1")
     p.add_argument("--suites", type=_list(str), default=None,
                    help=f"{', '.join(suite_names())}, or a .jsonl path (default code,prose)")

@@ -50,7 +50,7 @@ class CostCurve:
     chain: list[CostPoint] = field(default_factory=list)  # causal chains (ar at 1, dflash at L)
 
     def verify_ms(self, method: str, nodes: int, temperature: float = 0.0) -> float:
-        """T_verify for a method's window: chains for ar/dflash, trees for ddtree (interpolated).
+        """T_verify for a method's window: chains for ar/dflash/mtp, trees for ddtree (interpolated).
 
         A lone root is the same window in both lists, so n = 1 takes the faster of the two.
         """
@@ -58,7 +58,7 @@ class CostCurve:
             ones = [p.verify_ms(temperature) for p in self.tree + self.chain if p.nodes == 1]
             if ones:
                 return min(ones)
-        points = self.chain if method in ("ar", "dflash") and self.chain else self.tree
+        points = self.chain if method in ("ar", "dflash", "mtp") and self.chain else self.tree
         return interpolate([(p.nodes, p.verify_ms(temperature)) for p in points], nodes)
 
     def as_dict(self) -> dict:

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from flashtree.bench.cost import CostCurve, curve_sizes, measure_cost_curve
 from flashtree.bench.metrics import CellSummary, RequestRecord, compare_to_ar, match_fraction, summarize
 from flashtree.bench.suites import Prompt, load_suite
-from flashtree.config import DEMO_DRAFTER, METHODS, EngineConfig
+from flashtree.config import DEMO_DRAFTER, MAX_SPECULATIVE_TOKENS, METHODS, EngineConfig
 from flashtree.engine import LLMEngine
 from flashtree.errors import FlashtreeError
 from flashtree.sampling import SamplingParams
@@ -40,6 +40,8 @@ class BenchSpec:
     dtype: str | None = None
     tensor_parallel_size: int = 1
     use_selector: bool | None = None  # DFlash2 drafters: False benches the marginal tree
+    mtp_head: str | None = None  # mtp cells' head: None = the target's own (the demo target: its trained head)
+    num_speculative_tokens: list[int] = field(default_factory=lambda: [3])  # one mtp cell per k
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     budgets: list[int | str] = field(default_factory=lambda: list(DEFAULT_BUDGETS))  # ints, or "auto"
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
@@ -62,6 +64,10 @@ class BenchSpec:
             raise FlashtreeError("ddtree needs at least one budget (--budgets 16,64)")
         if any(b != "auto" and not (isinstance(b, int) and 1 <= b <= 1024) for b in self.budgets):
             raise FlashtreeError(f"budgets must be integers in 1..1024 or 'auto', got {self.budgets}")
+        if "mtp" in self.methods and (not self.num_speculative_tokens
+                                      or any(not 1 <= k <= MAX_SPECULATIVE_TOKENS for k in self.num_speculative_tokens)):
+            raise FlashtreeError(f"--num-speculative-tokens must be integers in 1..{MAX_SPECULATIVE_TOKENS}, "
+                                 f"got {self.num_speculative_tokens}")
         if any(t < 0 for t in self.temperatures) or not self.temperatures:
             raise FlashtreeError(f"temperatures must be >= 0, got {self.temperatures}")
         if self.max_tokens < 1 or self.num_prompts < 1 or self.warmup < 0 or self.cost_repeats < 1:
@@ -77,16 +83,19 @@ class BenchSpec:
 @dataclass(frozen=True)
 class Cell:
     method: str
-    budget: int | str | None = None  # ddtree only: an int or "auto"
+    budget: int | str | None = None  # ddtree: an int or "auto"; mtp: the drafted tokens k
 
     @property
     def label(self) -> str:
-        return f"ddtree-{self.budget}" if self.method == "ddtree" else self.method
+        return f"{self.method}-{self.budget}" if self.method in ("ddtree", "mtp") else self.method
 
 
-def grid_cells(methods: list[str], budgets: list[int | str]) -> list[Cell]:
-    """ar first (the baseline), then dflash, then ddtree by budget, "auto" last."""
-    cells = [Cell(m) for m in METHODS if m in methods and m != "ddtree"]
+def grid_cells(methods: list[str], budgets: list[int | str], mtp_k: list[int] = (3,)) -> list[Cell]:
+    """ar first (the baseline), mtp by k (what users run today), then dflash, then ddtree by budget,
+    "auto" last."""
+    cells = [Cell("ar")] if "ar" in methods else []
+    cells += [Cell("mtp", k) for k in sorted(set(mtp_k))] if "mtp" in methods else []
+    cells += [Cell(m) for m in METHODS if m in methods and m not in ("ar", "mtp", "ddtree")]
     if "ddtree" in methods:
         cells += [Cell("ddtree", b) for b in sorted({b for b in budgets if b != "auto"})]
         cells += [Cell("ddtree", "auto")] if "auto" in budgets else []
@@ -111,10 +120,13 @@ class BenchResult:
 
 def _engine_config(spec: BenchSpec, method: str, budget: int | str | None, max_model_len: int | None) -> EngineConfig:
     # No prefix reuse: every pass runs the same prompts, and each should pay its prefill alike.
-    return EngineConfig(target=spec.target, drafter=spec.drafter, method=method, budget=budget or 64,
-                        device=spec.device, dtype=spec.dtype, max_batch=1, max_model_len=max_model_len,
-                        stage_timing=spec.stage_sync, tensor_parallel_size=spec.tensor_parallel_size,
-                        prefix_cache=False, use_selector=spec.use_selector)
+    mtp = method == "mtp"
+    return EngineConfig(target=spec.target, drafter=None if mtp else spec.drafter, method=method,
+                        budget=64 if mtp else budget or 64, num_speculative_tokens=budget if mtp else 3,
+                        mtp_head=spec.mtp_head, device=spec.device, dtype=spec.dtype, max_batch=1,
+                        max_model_len=max_model_len, stage_timing=spec.stage_sync,
+                        tensor_parallel_size=spec.tensor_parallel_size, prefix_cache=False,
+                        use_selector=spec.use_selector)
 
 
 def encode_prompt(engine: LLMEngine, prompt: Prompt) -> list[int]:
@@ -166,7 +178,7 @@ class Loaded:
 
 def build_engines(spec: BenchSpec, cells: list[Cell], prompts: dict[str, list[Prompt]]) -> Loaded:
     """Load the weights once, tokenise, then one engine per cell sized to the run's longest request."""
-    drafting = any(c.method != "ar" for c in cells)
+    drafting = any(c.method in ("dflash", "ddtree") for c in cells)
     if drafting and spec.target is None and spec.drafter is None and not DEMO_DRAFTER.is_dir():
         raise FlashtreeError(f"the demo drafter is not there yet ({DEMO_DRAFTER}); pass --drafter, "
                              "or measure the target alone with --methods ar")
@@ -178,12 +190,19 @@ def build_engines(spec: BenchSpec, cells: list[Cell], prompts: dict[str, list[Pr
     # Over-long prompts keep their tail: the continuation is what the bench is about.
     ids = {s: [encode_prompt(base, p)[-room:] for p in ps] for s, ps in prompts.items()}
     need = min(limit, max(len(x) for xs in ids.values() for x in xs) + spec.max_tokens + 1)
-    engines = {c: LLMEngine(_engine_config(spec, c.method, c.budget, need), share_weights=base) for c in cells}
+    engines: dict[Cell, LLMEngine] = {}
+    for c in cells:  # mtp cells share the first one's head
+        heads = [e for cell, e in engines.items() if cell.method == "mtp"]
+        share = heads[0] if c.method == "mtp" and heads else base
+        engines[c] = LLMEngine(_engine_config(spec, c.method, c.budget, need), share_weights=share)
     # Digest the weights now, right after reading them: a checkpoint replaced during the run
     # must not be credited with the run's numbers.
     models = {"target": checkpoint_id(base.target)}
     if base.drafter is not None:
         models["drafter"] = checkpoint_id(base.drafter)
+    heads = [e.drafter for c, e in engines.items() if c.method == "mtp"]
+    if heads:
+        models["mtp_head"] = checkpoint_id(heads[0])
     return Loaded(base, engines, ids, base.target, base.drafter, limit, models)
 
 
@@ -226,7 +245,8 @@ def measure_cost(spec: BenchSpec, cells: list[Cell], loaded: Loaded, block_size:
     context = spec.cost_context or int(statistics.median(lengths)) + spec.max_tokens // 2
     context = max(1, min(context, loaded.limit - max_nodes))
     tree_sizes = curve_sizes(max_nodes, spec.fixed_budgets, spec.cost_dense)
-    chain_sizes = sorted({1} | ({block_size} if any(c.method == "dflash" for c in cells) else set()))
+    chain_sizes = sorted({1} | ({block_size} if any(c.method == "dflash" for c in cells) else set())
+                         | {int(c.budget) + 1 for c in cells if c.method == "mtp"})
     bar = tqdm(total=(len(tree_sizes) + len(chain_sizes)) * spec.cost_repeats, desc="cost curve", unit="fwd",
                file=sys.stderr, disable=not progress, dynamic_ncols=True)
     # Through the engine: under tensor parallelism every rank runs the sharded forwards together.
@@ -241,7 +261,7 @@ def run_bench(spec: BenchSpec, progress: bool = True) -> BenchResult:
     t_start = time.perf_counter()
     load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     prompts = load_prompts(spec)
-    cells = grid_cells(spec.methods, spec.budgets)
+    cells = grid_cells(spec.methods, spec.budgets, spec.num_speculative_tokens)
     loaded = build_engines(spec, cells, prompts)
     block_size = loaded.drafter.block_size if loaded.drafter is not None else 1
     records = measure_grid(spec, cells, prompts, loaded, progress)
@@ -270,8 +290,10 @@ def checkpoint_id(module) -> dict:
 
 
 def tree_nodes(cell: Cell, block_size: int) -> int | None:
-    """Nodes the target verifies per round: the root alone, the DFlash block, or budget + root
-    (None for "auto", whose size changes from round to round)."""
+    """Nodes the target verifies per round: the root alone, the DFlash block, the MTP chain, or
+    budget + root (None for "auto", whose size changes from round to round)."""
+    if cell.method == "mtp":
+        return int(cell.budget) + 1
     if cell.method == "ddtree":
         return None if cell.budget == "auto" else int(cell.budget) + 1
     return {"ar": 1, "dflash": block_size}[cell.method]

@@ -120,7 +120,7 @@ class CellSummary:
     suite: str
     temperature: float
     method: str
-    budget: int | str | None  # ddtree: an int or "auto"
+    budget: int | str | None  # ddtree: an int or "auto"; mtp: the drafted tokens k
     requests: int
     rounds: int
     output_tokens: int
@@ -134,7 +134,7 @@ class CellSummary:
     outside_rounds_share: float
     accept_counts: list[int]
     accept_fractions: list[float]
-    tree_nodes: int | None  # verified nodes per round: 1 (ar), L (dflash), B+1 (ddtree), None (auto)
+    tree_nodes: int | None  # verified nodes per round: 1 (ar), L (dflash), k+1 (mtp), B+1 (ddtree), None (auto)
     speedup: float | None = None  # wall tokens/s vs ar, same suite and temperature
     decode_speedup: float | None = None  # rounds only: tau/T_round vs ar's
     predicted_speedup: float | None = None  # from the cost curve's T_verify(tree_nodes)
@@ -143,7 +143,7 @@ class CellSummary:
 
     @property
     def label(self) -> str:
-        return f"ddtree-{self.budget}" if self.method == "ddtree" else self.method
+        return f"{self.method}-{self.budget}" if self.method in ("ddtree", "mtp") else self.method
 
 
 def summarize(suite: str, temperature: float, method: str, budget: int | str | None, tree_nodes: int | None,

@@ -22,6 +22,7 @@ from flashtree.engine.sequence import (STAGES, Request, RequestGroup, Status, To
 from flashtree.errors import FlashtreeError, PromptTooLong
 from flashtree.models.dflash2 import load_drafter  # DFlash-1 or DFlash2, by architectures
 from flashtree.models.loader import eos_token_ids, load_target, parse_dtype
+from flashtree.models.mtp import load_head
 from flashtree.sampler import fresh_seed
 from flashtree.sampling import SamplingParams
 
@@ -120,9 +121,15 @@ class LLMEngine:
                                  "--allow-long-max-model-len (allow_long_max_model_len=True) to use positions the "
                                  "model was not trained for")
         self.drafter = None
+        mtp = config.method == "mtp"
         if config.method != "ar":
-            if other is not None and other.drafter is not None and other.config.drafter == config.drafter:
+            # The drafter, or with method="mtp" the MTP head (each shared only with its own kind).
+            source = (config.mtp_head or self.target.source_dir) if mtp else config.drafter
+            shared = other is not None and other.drafter is not None and (other.config.method == "mtp") == mtp
+            if shared and ((other.config.mtp_head or other.target.source_dir) if mtp else other.config.drafter) == source:
                 self.drafter = other.drafter
+            elif mtp:
+                self.drafter = load_head(source, self.target, dtype, device, tp=tp.group if tp is not None else None)
             else:
                 self.drafter = load_drafter(config.drafter, self.target, dtype, device)
         self.tokenizer = other.tokenizer if other is not None else load_tokenizer(self.target.source_dir)
@@ -139,7 +146,7 @@ class LLMEngine:
         self.pace = PaceWatch(device)
 
     def _prefix_cache(self) -> PrefixCache | None:
-        caches = [self.runner.cache] + ([self.runner.draft_cache] if self.drafter is not None else [])
+        caches = [self.runner.cache] + ([self.runner.draft_cache] if self.runner.draft_cache is not None else [])
         if not self.config.prefix_cache or not all(c.shares_prefixes for c in caches):
             return None  # off, or a sliding-window drafter (see flashtree/engine/prefix_cache.py)
         return PrefixCache(self.config.max_batch, recurrent=self.runner.cache.recurrent)

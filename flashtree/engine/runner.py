@@ -29,6 +29,7 @@ from flashtree.engine.cost_model import DEFAULT_SECONDS, save, startup
 from flashtree.engine.draft_context import DeferredContext
 from flashtree.engine.graphs import RoundGraphs
 from flashtree.engine.logprobs import pack, unpack
+from flashtree.engine.mtp_draft import MTPDraft
 from flashtree.engine.policy import AR, Policy, RoundPlan, by_size, fixed_plan
 from flashtree.engine.sequence import Request, TokenLogprob
 from flashtree.engine.shapes import batch_bucket, budget_bucket, key_bucket, prefill_chunks
@@ -37,6 +38,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
 from flashtree.models.dflash2 import DFlash2Drafter
+from flashtree.models.mtp import MTPHead
 from flashtree.models.transformer import ForwardOutput
 from flashtree.sampler import SamplingBatch, SamplingStage, pick, processed_logprobs
 from flashtree.sampling import SamplingParams
@@ -112,15 +114,19 @@ class ModelRunner:
     buffers (flashtree.engine.graphs: CUDA graphs on CUDA, the same buffers eagerly on the CPU).
     """
 
-    def __init__(self, config: EngineConfig, target, drafter: DFlashDrafter | None, device: torch.device,
+    def __init__(self, config: EngineConfig, target, drafter: DFlashDrafter | MTPHead | None, device: torch.device,
                  progress: bool = True) -> None:
         self.config = config
         self.target = target
+        # method="mtp": the drafter is an MTP head, run by self.mtp; the DFlash paths below see no drafter.
+        mtp_head, drafter = (drafter, None) if config.method == "mtp" else (None, drafter)
         self.drafter = drafter
         self.device = device
         self.method = config.method
         self.static = config.compile or bool(config.static_shapes)  # captured rounds need static shapes
         self.block_size = drafter.block_size if drafter is not None else 1
+        if mtp_head is not None:
+            self.block_size = config.num_speculative_tokens + 1
         self.feature_layers = tuple(drafter.args.target_layer_ids) if drafter is not None else ()
         self.use_selector = selector_on(drafter, config.use_selector)
         self.max_window = 1 + (config.tree_budget if self.method == "ddtree" else self.block_size - 1)
@@ -130,6 +136,10 @@ class ModelRunner:
         self.pads = [padding_request(config.max_batch) for _ in range(self.max_rows - 1)] if self.static else []
         self.cache = target.new_cache(slots, cache_len)
         self.draft_cache = drafter.new_cache(slots, cache_len) if drafter is not None else None
+        self.mtp = None
+        if mtp_head is not None:
+            self.mtp = MTPDraft(mtp_head, target, config.num_speculative_tokens, slots, cache_len, device)
+            self.feature_layers = self.mtp.feature_layers
         self.inputs = InputStage(self.max_rows, device)
         self.sampling_inputs = SamplingStage(self.max_rows, device)
         self.staging = Staging(device)
@@ -159,7 +169,7 @@ class ModelRunner:
         self.prompt_logits: dict[int, Tensor] = {}  # slot -> its complete prompt's last logits, until start_samples
         self.saved_states: dict[int, RecurrentState] = {}  # prefix reuse on a hybrid target: key -> state
         self.graphs: RoundGraphs | None = None
-        if config.compile and self.policy is None and not isinstance(self.draft_cache, SlidingDraftCache):
+        if config.compile and self.policy is None and self.mtp is None and not isinstance(self.draft_cache, SlidingDraftCache):
             keys = sorted({key_bucket(n, self.cache.max_len) for n in range(1, self.cache.max_len + 1)})
             buckets = [b for b in (1 << i for i in range(self.max_rows.bit_length())) if b <= self.max_rows]
             self.graphs = RoundGraphs(self, buckets, keys, dummy=config.max_batch, progress=progress)
@@ -198,6 +208,8 @@ class ModelRunner:
         speculative request's source never gave its drafter the prompt."""
         if self.deferred is not None:
             self.deferred.reset(slot)
+        if self.mtp is not None:
+            self.mtp.seat(slot, source, length)
         plain, self.plain[slot] = self.plain[source] if source is not None else False, not speculative
         if source is None or (plain and speculative):
             self.cache.set_length(slot, 0)
@@ -241,6 +253,8 @@ class ModelRunner:
         scored = req.prompt_logprobs is not None
         ctx, out = self.run_prefill(ids, batch, self.key_len(batch, n), scored, not self.plain[req.slot])
         self.cache.commit(ctx, [n])
+        if self.mtp is not None:
+            self.mtp.prefill(batch, ids, out.features)
         if self.drafter is not None and not self.plain[req.slot]:
             dctx = self.run_append(batch, out.features, None, self.key_len(batch, 0))
             self.draft_cache.commit(dctx, [n])
@@ -342,7 +356,7 @@ class ModelRunner:
             held = (time.perf_counter() - f0, sum(n * len(group) for n, group in flush.items()))
         spec = self.draft(batch, roots, plan, staged)
         with self.clock.stage("verify"):
-            features = self.drafter is not None and (plan.drafting > 0 or any(parking))
+            features = self.mtp is not None or (self.drafter is not None and (plan.drafting > 0 or any(parking)))
             ctx, out = self.run_verify(batch, spec, self.key_len(batch, spec.num_nodes), features)
             picks = pick(out.logits, sampling, ctx.positions + 1, spec.depth_bound + 1)
         with self.clock.stage("commit"):
@@ -356,6 +370,9 @@ class ModelRunner:
             # Projecting the accepted nodes' features into drafter K/V is drafter model work.
             with self.clock.stage("draft"):
                 self.extend_context(plan, staged, batch, out.features, walk, counts, slots, ring_rows)
+        elif self.mtp is not None:
+            with self.clock.stage("draft"):
+                self.mtp.accept(batch, spec, walk.path, out.features, counts)
         self.last_plan = plan
         if self.policy is not None:
             # A round's cost includes the engine's work between rounds (emitting, scheduling):
@@ -433,6 +450,8 @@ class ModelRunner:
         # (A slot's held-back context is set when it is seated: empty, or its source's.)
         if self.policy is not None:
             return self.policy.plan(reqs)
+        if self.mtp is not None:  # every row verifies the head's chain of k drafts
+            return fixed_plan(len(reqs), "dflash", self.block_size, 0)
         method = self.method if self.drafter is not None else "ar"
         return fixed_plan(len(reqs), method, self.block_size, self.round_budget(len(reqs)))
 
@@ -478,6 +497,9 @@ class ModelRunner:
 
     def draft(self, batch: SlotBatch, roots: Tensor, plan: RoundPlan, staged: dict[str, Tensor]) -> TreeSpec:
         """The round's window: drafted rows from the drafter (only those), the rest a lone root."""
+        if self.mtp is not None:
+            with self.clock.stage("draft"):
+                return self.mtp.draft(batch, roots)
         if not plan.drafting:
             return chain_spec(roots[:, None])
         sub = self._draft_batch(batch, plan, staged)

@@ -312,8 +312,12 @@ def checkpoint_files(path: Path) -> list[str]:
     return files
 
 
-def plan_load(model: nn.Module, path: Path, convert=None) -> LoadPlan:
-    """Match every tensor of the checkpoint's headers to the model: names, shapes, coverage."""
+def plan_load(model: nn.Module, path: Path, convert=None, scope: str | None = None) -> LoadPlan:
+    """Match every tensor of the checkpoint's headers to the model: names, shapes, coverage.
+
+    scope: load only the tensors under this prefix, as the model's own names (an MTP head's
+    `mtp.`); None reads the target's, under the `model.` prefixes, skipping IGNORED.
+    """
     from safetensors import safe_open
 
     layout = checkpoint_layout(model)
@@ -322,7 +326,7 @@ def plan_load(model: nn.Module, path: Path, convert=None) -> LoadPlan:
     plan = LoadPlan(path, checkpoint_files(path))
     filled = dict.fromkeys(params, 0)
     found: dict[str, str] = {}  # our-layout name -> file
-    stored_prefix = "model."
+    stored_prefix = scope or "model."
     kind = type(model).__name__
 
     def check(file: str, name: str, key: str, shape: tuple) -> tuple[str, tuple]:
@@ -342,10 +346,17 @@ def plan_load(model: nn.Module, path: Path, convert=None) -> LoadPlan:
     for file in plan.files:
         with safe_open(str(path / file), framework="pt") as f:
             for name in f.keys():
-                key = strip_prefix(name)
-                if key != name and key.startswith("layers."):
-                    stored_prefix = name[: len(name) - len(key)]
-                if key.startswith(IGNORED) or key in aliases:
+                if scope is not None:
+                    if not name.startswith(scope):
+                        continue
+                    key = name[len(scope):]
+                else:
+                    key = strip_prefix(name)
+                    if key != name and key.startswith("layers."):
+                        stored_prefix = name[: len(name) - len(key)]
+                    if key.startswith(IGNORED):
+                        continue
+                if key in aliases:
                     continue
                 shape = tuple(f.get_slice(name).get_shape())
                 if key not in layout and convert is not None:
@@ -447,15 +458,16 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def load_checkpoint(model: nn.Module, path: Path, device: torch.device, convert=None,
-                    tp: TensorParallel | None = None) -> None:
+                    tp: TensorParallel | None = None, scope: str | None = None) -> None:
     """Fill a model built on the meta device from the safetensors checkpoint in `path`.
 
     convert(name, tensor) -> {name: tensor}: the model's per-tensor format conversion, for
     checkpoint tensors its layout does not name (Qwen3-Next's packed projections).
     tp: cut the model to this rank's slice after checking the checkpoint against the full model,
     and read only that slice of each tensor.
+    scope: the checkpoint's tensors under this prefix fill the model (see plan_load).
     """
-    plan = plan_load(model, path, convert)
+    plan = plan_load(model, path, convert, scope)
     shards = None
     if tp is not None:
         from flashtree.parallel.shard import shard_model, zero_rank0_only

@@ -18,6 +18,8 @@ weight is read: the loader then reads only that slice of each checkpoint tensor.
 - Vocabulary-parallel embedding (masked lookup + all-reduce) and LM head (an all-gather of
   the rank's logits, so every rank walks the same full logits); a tied head shares the slice.
 - Replicated: norms, the MoE router and shared-expert gate, RoPE, the drafter.
+- An MTP head (flashtree.models.mtp) is cut like the target's layers; its `fc` and norms are
+  replicated, and it reads the target's embedding and LM head.
 
 The model's `args` are replaced by the rank's view (its head counts), so `new_cache` sizes the
 rank's cache: K/V of its heads, GDN state and conv window of its heads and channels.
@@ -127,7 +129,8 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> ShardPlan:
             if not isinstance(module, (Attention, GatedAttention, GatedDeltaNet, MLP, SparseMoE)):
                 raise FlashtreeError(f"tensor parallelism cannot split {type(module).__name__} layers")
             module.register_forward_hook(lambda _m, _inputs, out: tp.all_reduce(out))
-    cut.vocabulary()
+    if hasattr(model, "embed_tokens"):  # an MTP head borrows the target's (already split) vocabulary
+        cut.vocabulary()
     model.args = cut.local_args()
     model.tp = tp
     return cut.plan

@@ -51,7 +51,8 @@ def startup_line(engine, name: str, url: str) -> str:
 
     c = engine.config
     budget = c.budget if c.method == "ddtree" else "-"
-    return (f"flashtree serve: model={name} ({c.target}) drafter={c.drafter or '-'} method={c.method} "
+    drafter = (c.mtp_head or f"{c.target} mtp.*") + f" k={c.num_speculative_tokens}" if c.method == "mtp" else c.drafter
+    return (f"flashtree serve: model={name} ({c.target}) drafter={drafter or '-'} method={c.method} "
             f"budget={budget} device={engine.device} dtype={str(engine.dtype).removeprefix('torch.')} "
             f"threads={torch.get_num_threads()} max_batch={c.max_batch} max_model_len={c.max_model_len} "
             + (f"tensor_parallel_size={c.tensor_parallel_size} " if c.tensor_parallel_size > 1 else "") + f"url={url}")

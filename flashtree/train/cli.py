@@ -42,6 +42,8 @@ def _extract(a: argparse.Namespace) -> None:
 
 
 def _train(a: argparse.Namespace) -> None:
+    if a.mtp:
+        return _train_mtp(a)
     from flashtree.train.trainer import TrainConfig, train
 
     cfg = TrainConfig(out=a.out, data=a.data, sequences=a.sequences, target=a.target, block_size=a.block_size,
@@ -55,6 +57,19 @@ def _train(a: argparse.Namespace) -> None:
                       plot=a.plot, selector=a.selector, selector_rank=a.selector_rank, selector_top_k=a.selector_top_k,
                       conv_kernel_size=a.conv_kernel_size, conv_group_size=a.conv_group_size)
     train(cfg)
+
+
+def _train_mtp(a: argparse.Namespace) -> None:
+    from flashtree.train.mtp import MTPTrainConfig, train_mtp
+
+    cfg = MTPTrainConfig(out=a.out, data=a.data, sequences=a.sequences, target=a.target, depth=a.mtp_depth,
+                         step_decay=a.mtp_step_decay, intermediate_size=a.intermediate_size,
+                         init_from_target=a.init_from_target, batch_size=a.batch_size, steps=a.steps,
+                         minutes=a.minutes, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
+                         grad_clip=a.grad_clip, seed=a.seed, max_len=a.max_len, device=a.device, dtype=a.dtype,
+                         save_dtype=a.save_dtype, threads=a.threads, log_every=a.log_every,
+                         save_every=a.save_every, resume=not a.no_resume, plot=a.plot)
+    train_mtp(cfg)
 
 
 def _report(results: dict, json_path: str | None) -> None:
@@ -75,7 +90,8 @@ def _eval(a: argparse.Namespace) -> None:
                      budgets=_ids(a.budgets), max_tokens=a.max_tokens, temperature=a.temperature,
                      chat_template=a.chat_template, limit=a.limit, max_batch=a.max_batch, device=a.device,
                      dtype=a.dtype, tensor_parallel_size=a.tensor_parallel_size,
-                     use_selector=False if a.no_selector else None, **kw)
+                     use_selector=False if a.no_selector else None, mtp_head=a.mtp_head,
+                     num_speculative_tokens=_ids(a.num_speculative_tokens), **kw)
     _report(evaluate(cfg), a.json)
 
 
@@ -108,7 +124,7 @@ def _demo(a: argparse.Namespace) -> None:
         kw |= {"regen_method": "ddtree", "regen_drafter": a.regen_drafter, "regen_budget": a.regen_budget}
     cfg = DemoConfig(work=a.work, build_target=not a.skip_target, target_minutes=a.target_minutes,
                      prompts=a.prompts, train_minutes=a.minutes, train_steps=None if a.minutes else a.steps,
-                     threads=a.threads, seed=a.seed, temperatures=a.temperature, selector=a.selector, **kw)
+                     threads=a.threads, seed=a.seed, temperatures=a.temperature, selector=a.selector, mtp=a.mtp, **kw)
     build_demo(cfg)
 
 
@@ -156,7 +172,7 @@ def register(subparsers) -> None:
     p.add_argument("--store-dtype", default="bfloat16", help="bfloat16, float16 or float32")
     p.set_defaults(func=_extract)
 
-    p = sub.add_parser("train", help="train a DFlash drafter (torchrun for DDP)")
+    p = sub.add_parser("train", help="train a DFlash drafter or (--mtp) an MTP head (torchrun for DDP)")
     p.add_argument("--out", required=True, help="drafter directory (z-lab format) + checkpoint")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="feature shard directory (offline)")
@@ -194,10 +210,17 @@ def register(subparsers) -> None:
     p.add_argument("--selector-top-k", type=int, default=16, help="candidates per depth the selector rescores")
     p.add_argument("--conv-kernel-size", type=int, default=4)
     p.add_argument("--conv-group-size", type=int, help="channels sharing a predicted tap (default min(32, hidden))")
+    p.add_argument("--mtp", action="store_true",
+                   help="train an MTP head (one decoder layer + fc and norms, Qwen3.5's mtp.* layout) from the "
+                        "target's last-layer features instead of a DFlash drafter")
+    p.add_argument("--mtp-depth", type=int, default=3, help="--mtp: recursive draft steps trained (default 3)")
+    p.add_argument("--mtp-step-decay", type=float, default=0.8, help="--mtp: step s weighs decay^(s-1)")
     p.set_defaults(func=_train)
 
-    p = sub.add_parser("eval", help="tau of a drafter for dflash and ddtree at several budgets")
+    p = sub.add_parser("eval", help="tau of a drafter for dflash and ddtree at several budgets (or an MTP head)")
     _model_args(p, drafter=True)
+    p.add_argument("--mtp-head", help="--methods mtp: the head (default: the target's own)")
+    p.add_argument("--num-speculative-tokens", default="3", help="--methods mtp: comma-separated k (default 3)")
     p.add_argument("--prompts", action="append", help="prompt JSONL (repeatable; default: the bench suites)")
     p.add_argument("--methods", default="dflash,ddtree")
     p.add_argument("--budgets", default="16,64,256")
@@ -251,5 +274,8 @@ def register(subparsers) -> None:
     p.add_argument("--regen-drafter", help="regenerate with ddtree and this drafter (default: ar)")
     p.add_argument("--regen-budget", type=int, default=16)
     p.add_argument("--drafter-out", help="where the drafter goes (default: the embedded demo drafter)")
+    p.add_argument("--mtp", action="store_true",
+                   help="train the demo target's MTP head on the same data instead of a drafter "
+                        "(flashtree/assets/demo/mtp; see its recipe.json)")
     p.add_argument("--plot", help="loss-curve PNG (default docs/figures/demo_drafter_loss.png)")
     p.set_defaults(func=_demo)

@@ -1,8 +1,9 @@
 """Acceptance length (tau) of a drafter, measured through the real engine.
 
 tau = tokens emitted per speculative round (bonus included), over all rounds of all prompts:
-the number that turns into speed. Measured for the chain (dflash) and for DDTree at several
-budgets on the same prompts, at temperature 0 unless asked otherwise.
+the number that turns into speed. Measured for the chain (dflash), for DDTree at several
+budgets and for an MTP head at several k on the same prompts, at temperature 0 unless asked
+otherwise.
 """
 
 from __future__ import annotations
@@ -34,17 +35,24 @@ class EvalConfig:
     dtype: str | None = None
     tensor_parallel_size: int = 1
     use_selector: bool | None = None  # DFlash2 drafters: False measures the marginal tree
+    mtp_head: str | None = None  # method mtp: None = the target's own head
+    num_speculative_tokens: list[int] = field(default_factory=lambda: [3])  # method mtp: one run per k
 
 
 def runs(cfg: EvalConfig) -> list[tuple[str, int]]:
     out = []
     for m in cfg.methods:
-        out += [(m, b) for b in cfg.budgets] if m == "ddtree" else [(m, cfg.budgets[0] if cfg.budgets else 64)]
+        if m == "ddtree":
+            out += [(m, b) for b in cfg.budgets]
+        elif m == "mtp":
+            out += [(m, k) for k in cfg.num_speculative_tokens]
+        else:
+            out += [(m, cfg.budgets[0] if cfg.budgets else 64)]
     return out
 
 
 def label(method: str, budget: int) -> str:
-    return f"ddtree@{budget}" if method == "ddtree" else method
+    return f"{method}@{budget}" if method in ("ddtree", "mtp") else method
 
 
 def evaluate(cfg: EvalConfig, verbose: bool = True) -> dict:
@@ -53,9 +61,11 @@ def evaluate(cfg: EvalConfig, verbose: bool = True) -> dict:
 
     results: dict[str, dict] = {}
     for method, budget in runs(cfg):
-        llm = LLM(target=cfg.target, drafter=cfg.drafter, method=method, budget=budget, device=cfg.device,
-                  dtype=cfg.dtype, max_batch=cfg.max_batch, tensor_parallel_size=cfg.tensor_parallel_size,
-                  use_selector=cfg.use_selector)
+        mtp = method == "mtp"
+        llm = LLM(target=cfg.target, drafter=None if mtp else cfg.drafter, method=method,
+                  budget=64 if mtp else budget, num_speculative_tokens=budget if mtp else 3, mtp_head=cfg.mtp_head,
+                  device=cfg.device, dtype=cfg.dtype, max_batch=cfg.max_batch,
+                  tensor_parallel_size=cfg.tensor_parallel_size, use_selector=cfg.use_selector)
         row: dict[str, float] = {}
         rounds = emitted = 0
         t0 = time.perf_counter()

@@ -40,31 +40,23 @@ from flashtree.train.features import FeatureShards, SequenceRows, target_feature
 
 
 @dataclass
-class TrainConfig:
-    out: str  # drafter directory (z-lab format) + checkpoint.pt + train_log.csv
+class RunConfig:
+    """What every training run is given, a drafter's or an MTP head's."""
+
+    out: str  # the trained model's directory + checkpoint.pt + train_log.csv
     data: str | None = None  # feature shard directory (offline mode)
     sequences: str | None = None  # regenerated JSONL: online mode, features computed on the fly
-    target: str | None = None  # None = the embedded demo target
-    block_size: int = 16
-    num_layers: int = 1
-    layer_ids: list[int] | None = None  # online mode only (offline reads the manifest's)
+    target: str | None = None  # None = the shards' target, or the embedded demo target
     intermediate_size: int | None = None  # None = the target's
-    mask_token_id: int | None = None  # None = the tokenizer's mask token / <|mask|>
-    gamma: float | None = None  # None = 7 * B / 16
-    max_anchors: int = 512
+    init_from_target: bool = False  # start the layers from the target's last layers
     batch_size: int = 4  # sequences per micro-batch and rank
-    grad_accum: int = 1
-    steps: int | None = None  # optimizer steps; else epochs; else minutes (calibrated once)
-    epochs: float | None = None
+    steps: int | None = None  # optimizer steps; else epochs (drafters); else minutes (calibrated once)
     minutes: float | None = None
     lr: float = 6e-4
     warmup: float = 0.04  # fraction of steps
-    min_lr_ratio: float = 0.0
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     seed: int = 0
-    backend: str = "auto"  # flex (CUDA), split (CPU), dense (reference)
-    init_from_target: bool = False  # start drafter layers from the target's last layers
     max_len: int = 2048
     device: str | None = None
     dtype: str | None = None  # target dtype; training runs in fp32 weights (+bf16 autocast on CUDA)
@@ -75,6 +67,22 @@ class TrainConfig:
     resume: bool = True
     stop_after: int | None = None  # stop (with a checkpoint) after this many steps this run: tests simulate a kill
     plot: str | None = None  # loss-curve PNG (default OUT/loss.png)
+
+
+@dataclass
+class TrainConfig(RunConfig):
+    """A DFlash (or, with selector, DFlash2) drafter's run; `out` is a z-lab-format drafter."""
+
+    block_size: int = 16
+    num_layers: int = 1
+    layer_ids: list[int] | None = None  # online mode only (offline reads the manifest's)
+    mask_token_id: int | None = None  # None = the tokenizer's mask token / <|mask|>
+    gamma: float | None = None  # None = 7 * B / 16
+    max_anchors: int = 512
+    grad_accum: int = 1
+    epochs: float | None = None
+    min_lr_ratio: float = 0.0
+    backend: str = "auto"  # flex (CUDA), split (CPU), dense (reference)
     selector: bool = False  # train a DFlash2 drafter (convolutions + candidate selector)
     selector_rank: int = 32
     selector_top_k: int = 16
@@ -246,21 +254,21 @@ def save_atomic(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def export(drafter: DFlashDrafter, out: Path, dtype: str) -> None:
-    """Write the z-lab drafter dir (config.json + model.safetensors) in `dtype`."""
-    from flashtree.models.loader import parse_dtype
+@dataclass
+class Run:
+    """What a training run starts from (open_run)."""
 
-    d = parse_dtype(dtype, torch.device("cpu"))
-    copy = type(drafter)(drafter.args)
-    copy.load_state_dict(drafter.state_dict())
-    save_drafter(copy.to(d), out)
-
-
-# ---------------------------------------------------------------------------- training
+    dd: Dist
+    device: torch.device
+    out: Path
+    dataset: FeatureShards | SequenceRows
+    target: nn.Module  # frozen
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Train (or resume) a drafter into `cfg.out`; returns the run summary (rank 0)."""
+def open_run(cfg) -> Run:
+    """Threads, ranks, the output directory, the data (feature shards, or sequences whose
+    features the target computes batch by batch) and the frozen target, for a drafter's or an
+    MTP head's training config."""
     from flashtree.config import DEMO_TARGET
     from flashtree.models.loader import load_target, parse_dtype
 
@@ -276,29 +284,103 @@ def train(cfg: TrainConfig) -> dict:
     target_path = cfg.target
     if cfg.data is not None:
         dataset = FeatureShards(cfg.data)
-        layer_ids = dataset.layer_ids
         target_path = target_path or dataset.manifest["target"]
     else:
         dataset = SequenceRows(cfg.sequences, cfg.max_len)
+    if len(dataset) == 0:
+        raise FlashtreeError("no training sequences")
     target = load_target(target_path or DEMO_TARGET, parse_dtype(cfg.dtype, device), device)
     for p in target.parameters():
         p.requires_grad_(False)
+    return Run(dd, device, out, dataset, target)
+
+
+def adamw(module: nn.Module, cfg) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norms and biases are not decayed)."""
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    rest = [p for p in module.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def resumable(path: Path, cfg, device: torch.device) -> dict | None:
+    """The checkpoint to continue from, if there is one and resuming is on; refused when it was
+    trained with settings that change what the run computes."""
+    if not cfg.resume or not path.is_file():
+        return None
+    ck = torch.load(path, map_location=device, weights_only=False)
+    changed = changed_settings(ck.get("config", {}), asdict(cfg))
+    if changed:
+        raise FlashtreeError(f"{path} was trained with other settings ({'; '.join(changed)}); rerun with "
+                             "the same ones to resume, or start over with a fresh --out or --no-resume")
+    return ck
+
+
+def checkpoint_due(cfg, step: int, total: int | None, start_step: int, checkpoint) -> bool:
+    """Checkpoint every save_every steps and at the end; True when a stop_after run stops here
+    (after its checkpoint: tests simulate a kill this way)."""
+    stop = cfg.stop_after is not None and step - start_step >= cfg.stop_after and step < total
+    if stop or step % cfg.save_every == 0 or step == total:
+        checkpoint()
+    return stop
+
+
+def write_summary(cfg, out: Path, step: int, seconds: float, loader: Loader, rows: list[dict], title: str,
+                  **extra) -> dict:
+    """The run's summary (train_args.json) and its loss curve (default OUT/loss.png)."""
+    last = rows[-1] if rows else {}
+    summary = {"steps": step, "train_seconds": round(seconds, 1), "sequences": len(loader.dataset),
+               "epochs": round(loader.epochs_done, 3), "world_size": loader.dd.world, **extra,
+               "final_loss": last.get("loss"), "final_tau_estimate": last.get("tau_estimate"),
+               "torch": torch.__version__, "python": sys.version.split()[0], "config": asdict(cfg)}
+    (out / "train_args.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if rows:
+        plot_loss(rows, Path(cfg.plot) if cfg.plot else out / "loss.png", title)
+    return summary
+
+
+def calibrated_steps(step: int, elapsed: float, budget_s: float, dd: Dist) -> int:
+    """A --minutes run's step count, from its first 10 steps' pace (every rank stops at rank 0's)."""
+    total = max(step + 1, int(budget_s / (elapsed / 10)))
+    if dd.world > 1:
+        t = torch.tensor([total])
+        dist.broadcast(t, 0)
+        total = int(t)
+    if dd.main:
+        print(f"calibrated: {elapsed / 10:.2f}s/step -> {total} steps", flush=True)
+    return total
+
+
+def export(drafter: DFlashDrafter, out: Path, dtype: str) -> None:
+    """Write the z-lab drafter dir (config.json + model.safetensors) in `dtype`."""
+    from flashtree.models.loader import parse_dtype
+
+    d = parse_dtype(dtype, torch.device("cpu"))
+    copy = type(drafter)(drafter.args)
+    copy.load_state_dict(drafter.state_dict())
+    save_drafter(copy.to(d), out)
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train (or resume) a drafter into `cfg.out`; returns the run summary (rank 0)."""
+    run = open_run(cfg)
+    dd, device, out, dataset, target = run.dd, run.device, run.out, run.dataset, run.target
     if cfg.data is None:
         layer_ids = cfg.layer_ids or default_target_layer_ids(target.num_layers, cfg.num_layers)
-    elif cfg.layer_ids and list(cfg.layer_ids) != layer_ids:
-        raise FlashtreeError(f"the shards hold features of layers {layer_ids}, not {cfg.layer_ids}")
-    if len(dataset) == 0:
-        raise FlashtreeError("no training sequences")
+    else:
+        layer_ids = dataset.layer_ids
+        if cfg.layer_ids and list(cfg.layer_ids) != layer_ids:
+            raise FlashtreeError(f"the shards hold features of layers {layer_ids}, not {cfg.layer_ids}")
 
     drafter = build_drafter(target, cfg, layer_ids).to(device)
     model = BlockDrafter(drafter, cfg.backend)
     ddp = model
     if dd.world > 1:
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    decay = [p for n, p in drafter.named_parameters() if p.dim() >= 2]
-    rest = [p for n, p in drafter.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = adamw(drafter, cfg)
     loader = Loader(dataset, cfg.batch_size, dd, cfg.seed)
     per_step = cfg.batch_size * cfg.grad_accum * dd.world
     total = cfg.steps or (math.ceil(cfg.epochs * len(dataset) / per_step) if cfg.epochs else None)
@@ -308,12 +390,8 @@ def train(cfg: TrainConfig) -> dict:
     step, log_rows = 0, []
 
     ckpt_path = out / "checkpoint.pt"
-    if cfg.resume and ckpt_path.is_file():
-        ck = torch.load(ckpt_path, map_location=device, weights_only=False)
-        changed = changed_settings(ck.get("config", {}), asdict(cfg))
-        if changed:
-            raise FlashtreeError(f"{ckpt_path} was trained with other settings ({'; '.join(changed)}); rerun with "
-                                 "the same ones to resume, or start over with a fresh --out or --no-resume")
+    ck = resumable(ckpt_path, cfg, device)
+    if ck is not None:
         if ck["args"] != asdict(drafter.args):
             raise FlashtreeError(f"{ckpt_path} is for another drafter shape; use a fresh --out or --no-resume")
         drafter.load_state_dict(ck["drafter"])
@@ -381,13 +459,7 @@ def train(cfg: TrainConfig) -> dict:
         elapsed = time.perf_counter() - t0
         window.append(stats)
         if total is None and step - start_step == 10:
-            total = max(step + 1, int(budget_s / (elapsed / 10)))
-            if dd.world > 1:  # every rank must stop at the same step
-                t = torch.tensor([total])
-                dist.broadcast(t, 0)
-                total = int(t)
-            if dd.main:
-                print(f"calibrated: {elapsed / 10:.2f}s/step -> {total} steps", flush=True)
+            total = calibrated_steps(step, elapsed, budget_s, dd)
         if step % cfg.log_every == 0 or step == total:
             w = torch.stack(window).sum(0)
             row = {"step": step, "lr": lr, "loss": float(w[0] / w[1]), "accept_mean": float(w[4] / w[3].clamp(min=1)),
@@ -402,23 +474,13 @@ def train(cfg: TrainConfig) -> dict:
                 print(f"step {step}/{total} loss {row['loss']:.4f} tau~{row['tau_estimate']:.2f} lr {lr:.2e} "
                       f"|g| {row['grad_norm']:.2f} ep {row['epoch']:.2f} {row['labels_per_s']:.0f} labels/s "
                       f"{elapsed:.0f}s", flush=True)
-        if step % cfg.save_every == 0 or step == total:
-            checkpoint()
-        if cfg.stop_after is not None and step - start_step >= cfg.stop_after and step < total:
-            checkpoint()
+        if checkpoint_due(cfg, step, total, start_step, checkpoint):
             return {"steps": step, "stopped": True}
     summary = {}
     if dd.main:
         checkpoint()
-        summary = {"steps": step, "train_seconds": round(time.perf_counter() - t0, 1), "sequences": len(dataset),
-                   "epochs": round(loader.epochs_done, 3), "world_size": dd.world, "layer_ids": layer_ids,
-                   "final_loss": log_rows[-1]["loss"] if log_rows else None,
-                   "final_tau_estimate": log_rows[-1]["tau_estimate"] if log_rows else None,
-                   "torch": torch.__version__, "python": sys.version.split()[0],
-                   "config": asdict(cfg)}
-        (out / "train_args.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if log_rows:
-            plot_loss(log_rows, Path(cfg.plot) if cfg.plot else out / "loss.png")
+        summary = write_summary(cfg, out, step, time.perf_counter() - t0, loader, log_rows, "DFlash drafter training",
+                                layer_ids=layer_ids)
     if dd.world > 1:
         dist.barrier()
     return summary
@@ -446,7 +508,7 @@ def write_log(path: Path, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def plot_loss(rows: list[dict], png: Path) -> None:
+def plot_loss(rows: list[dict], png: Path, title: str = "DFlash drafter training") -> None:
     """Loss and the in-training chain-acceptance estimate, per logged step."""
     import matplotlib
 
@@ -462,7 +524,7 @@ def plot_loss(rows: list[dict], png: Path) -> None:
     ax2 = ax.twinx()
     ax2.plot(steps, [r["tau_estimate"] for r in rows], lw=1, color="C1", label="train tau estimate")
     ax2.set_ylabel("tau estimate (teacher-forced, harmonic)", color="C1")
-    ax.set_title("DFlash drafter training")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
