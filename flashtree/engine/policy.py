@@ -41,6 +41,7 @@ AR, CHAIN, TREE = 0, 1, 2
 MODE_NAMES = ("ar", "chain", "tree")
 BASE, P = 3, 0.5  # the paired base (spine nodes), and the tokens added to both sides of a shape
 LEVEL_RATE, REQUEST_RATE, SHAPE_RATE = 0.05, 0.3, 0.02  # EMA weights: per class row, per request round, per row
+OWN_ROUNDS = 4  # a request's own level counts n / (n + OWN_ROUNDS) against its class's after n rounds
 KNOWN = 8  # rows measured (fading, FADE a round) before an arm's shape is trusted without exploring it
 FADE = 0.99  # per round of its class, so an arm not played for a few hundred rounds is tried again
 PRIOR_ROWS = 8  # the weight, in rows, of the level's and the chain's priors
@@ -71,6 +72,7 @@ class RoundPlan:
     seconds: float = 0.0
     arm: int | None = None  # auto: the grid index of the tree, or CHAIN_ARM; None for AR steps
     measure: int = 0  # tree sizes (grid columns) whose accepted tokens the round reads back
+    explored: bool = False  # auto: played to measure, paid from the exploration credit
 
     @property
     def drafting(self) -> int:
@@ -155,7 +157,8 @@ class Policy:
         self.classes: dict[int, ClassStats] = {}
         self.owner: list[str | None] = [None] * slots
         self.cls = [0] * slots
-        self.level = np.zeros(slots)  # each request's own recent base
+        self.level = np.zeros(slots)  # each request's own recent base ...
+        self.measured = np.zeros(slots)  # ... and the rounds it rests on
         self.factor = np.ones(len(self.grid) + 2)  # timed / modelled seconds per arm; the last is AR's
         self.rounds = 0
         self.hold: tuple[list[str], int] = ([], 0)  # AR steps decided ahead: for this batch, this many rounds
@@ -199,7 +202,7 @@ class Policy:
         s = req.slot
         if self.owner[s] != req.request_id:
             self.owner[s], self.cls[s] = req.request_id, sampling_class(req.params)
-            self.level[s] = self._stats(self.cls[s]).level
+            self.level[s], self.measured[s] = self._stats(self.cls[s]).level, 0.0
 
     def expected(self, classes: list[int], levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[rows, arms]: the drafted tokens each row (its class, its level) is expected to keep,
@@ -232,13 +235,18 @@ class Policy:
         if not rows:
             return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds)
         slots = [reqs[i].slot for i in rows]
-        gains, known = self.expected([self.cls[s] for s in slots], self.level[slots])  # [k, arms]
+        classes = [self.cls[s] for s in slots]
+        # A request's own level is noisy after a few rounds: taken at face value, the rows that
+        # were lucky would be the ones chosen to draft. It is shrunk toward its class's.
+        own = self.measured[slots] / (self.measured[slots] + OWN_ROUNDS)
+        levels = own * self.level[slots] + (1 - own) * np.array([self._stats(c).level for c in classes])
+        gains, known = self.expected(classes, levels)  # [k, arms]
         room = [reqs[i].params.max_tokens - len(reqs[i].output_ids) - 1 for i in rows]  # drafted tokens it may keep
         gains = np.minimum(gains, np.maximum(np.array(room, dtype=float), 0.0)[:, None])
         arm, k, rate = self._best(gains, table, R)
-        classes = {self.cls[s] for s in slots}
-        explore = self._explore(classes, gains, known, table, R, max(rate, ar_rate))
-        if explore is not None:
+        explore = self._explore(set(classes), gains, known, table, R, max(rate, ar_rate))
+        explored = explore is not None
+        if explored:
             arm, k = explore, len(rows)
         elif rate <= ar_rate:
             margin = ar_rate / rate if rate > 0 else np.inf
@@ -252,7 +260,7 @@ class Policy:
         predicted = dict(zip(rows, gains[:, arm]))
         return replace(plan, modes=[mode if i in chosen else AR for i in range(R)], draft_rows=drafting,
                        tree_rows=len(drafting) if plan.tree_rows else 0, seconds=float(table[arm, k]),
-                       predicted=[float(predicted[i]) if i in chosen else 0.0 for i in range(R)])
+                       predicted=[float(predicted[i]) if i in chosen else 0.0 for i in range(R)], explored=explored)
 
     @staticmethod
     def _best(gains: np.ndarray, table: np.ndarray, R: int) -> tuple[int, int, float]:
@@ -267,8 +275,8 @@ class Policy:
     def _explore(self, classes: set[int], gains: np.ndarray, known: np.ndarray, table: np.ndarray, R: int,
                  best_rate: float) -> int | None:
         """An arm measured in fewer than KNOWN rows, played for every drafting row when the
-        classes' credit covers what it would lose against the best rate: the largest such tree
-        the credit covers, for it measures every smaller one and the chain's spine too."""
+        classes' credit covers what it is predicted to lose against the best rate: the largest
+        such tree, for it measures every smaller one."""
         stats = [self._stats(c) for c in classes]
         credit = min(st.credit for st in stats)
         k = gains.shape[0]
@@ -276,11 +284,8 @@ class Policy:
         if not thin.any():
             return None
         for arm in reversed([a for a in range(self.chain_arm) if thin[a]] or [self.chain_arm]):
-            loss = table[arm, k] - (R + gains[:, arm].sum()) / best_rate
-            if loss <= credit:
-                for st in stats:
-                    st.credit -= max(0.0, loss)
-                return arm
+            if table[arm, k] - (R + gains[:, arm].sum()) / best_rate <= credit:
+                return arm  # charged in observe, at what it really cost
         return None
 
     # ---- learning ---------------------------------------------------------------------------------
@@ -298,7 +303,9 @@ class Policy:
         else:
             self._timed(plan.arm, table[plan.arm, plan.drafting] / self.factor[plan.arm], seconds)
             saved = (R + sum(accepted)) * ar_seconds / R - seconds
-            credit = PROBE * seconds + EXPLORE * max(0.0, saved)
+            # An exploration pays what it lost against AR steps, as it ran (a thin arm's cost is
+            # the least known part of its prediction).
+            credit = PROBE * seconds + (min(0.0, saved) if plan.explored else EXPLORE * max(0.0, saved))
             for n, i in enumerate(plan.draft_rows):
                 s = slots[i]
                 st = self._stats(self.cls[s])
@@ -312,6 +319,7 @@ class Policy:
                     st.measured(self.chain_arm, accepted[i], base)
                 st.leveled(base)
                 self.level[s] += REQUEST_RATE * (base - self.level[s])
+                self.measured[s] += 1
         for c in {self.cls[s] for s in slots}:
             st = self._stats(c)
             st.credit += credit
