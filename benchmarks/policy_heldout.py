@@ -93,9 +93,11 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["at-once", "gradual"], choices=["at-once", "gradual"])
     ap.add_argument("--per-batch", type=int, default=2, help="requests per cell = max(8, this x batch)")
     ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--labels", nargs="+", default=LABELS, help="engines to compare; auto is always one")
     ap.add_argument("--drafter", default=None, help="default: the demo's DFlash2 drafter")
     ap.add_argument("--out")
     args = ap.parse_args()
+    labels = list(dict.fromkeys([*args.labels, "auto"]))
     base = engine("ar", 1, None, args.drafter)
     texts = heldout_prompts(max(8, args.per_batch * max(args.batches)) * 2)
     rows = []
@@ -106,12 +108,12 @@ def main() -> None:
                 ids = [base.encode(x)[-400:] for x in texts[:n]]
                 params = [SamplingParams(temperature=t, max_tokens=LENGTHS[i % len(LENGTHS)], ignore_eos=True,
                                          seed=1000 + i) for i in range(n)]
-                engines = {label: engine(label, b, base, args.drafter) for label in LABELS}
+                engines = {label: engine(label, b, base, args.drafter) for label in labels}
                 best: dict[str, float] = {}
                 outputs: dict[str, int] = {}
                 rng = random.Random(hash((t, b, shape)) & 0xFFFF)
                 for _ in range(args.passes):
-                    order = LABELS[:]
+                    order = labels[:]
                     rng.shuffle(order)
                     for label in order:
                         tokens, seconds = run(engines[label], ids, params, 0 if shape == "at-once" else 2)

@@ -72,7 +72,7 @@ class RoundPlan:
     seconds: float = 0.0
     arm: int | None = None  # auto: the grid index of the tree, or CHAIN_ARM; None for AR steps
     measure: int = 0  # tree sizes (grid columns) whose accepted tokens the round reads back
-    explored: bool = False  # auto: played to measure, paid from the exploration credit
+    explored: float = 0.0  # auto: played to measure, against this best rate (tokens/s); 0 when not
 
     @property
     def drafting(self) -> int:
@@ -245,7 +245,7 @@ class Policy:
         gains = np.minimum(gains, np.maximum(np.array(room, dtype=float), 0.0)[:, None])
         arm, k, rate = self._best(gains, table, R)
         explore = self._explore(set(classes), gains, known, table, R, max(rate, ar_rate))
-        explored = explore is not None
+        explored = 0.0 if explore is None else max(rate, ar_rate)
         if explored:
             arm, k = explore, len(rows)
         elif rate <= ar_rate:
@@ -302,10 +302,11 @@ class Policy:
             credit = PROBE * seconds
         else:
             self._timed(plan.arm, table[plan.arm, plan.drafting] / self.factor[plan.arm], seconds)
-            saved = (R + sum(accepted)) * ar_seconds / R - seconds
-            # An exploration pays what it lost against AR steps, as it ran (a thin arm's cost is
-            # the least known part of its prediction).
-            credit = PROBE * seconds + (min(0.0, saved) if plan.explored else EXPLORE * max(0.0, saved))
+            tokens = R + sum(accepted)
+            if plan.explored:  # it pays what it lost, as it ran, against the rate it displaced
+                credit = PROBE * seconds - (seconds - tokens / plan.explored)
+            else:
+                credit = PROBE * seconds + EXPLORE * max(0.0, tokens * ar_seconds / R - seconds)
             for n, i in enumerate(plan.draft_rows):
                 s = slots[i]
                 st = self._stats(self.cls[s])
