@@ -42,8 +42,8 @@ MODE_NAMES = ("ar", "chain", "tree")
 BASE, P = 3, 0.5  # the paired base (spine nodes), and the tokens added to both sides of a shape
 LEVEL_RATE, REQUEST_RATE, SHAPE_RATE = 0.05, 0.3, 0.02  # EMA weights: per class row, per request round, per row
 OWN_ROUNDS = 4  # a request's own level counts n / (n + OWN_ROUNDS) against its class's after n rounds
-KNOWN = 8  # rows measured (fading, FADE a round) before an arm's shape is trusted without exploring it
-FADE = 0.99  # per round of its class, so an arm not played for a few hundred rounds is tried again
+KNOWN = 8  # rows measured before an arm's shape is trusted without exploring it
+STALE = 300  # rounds of its class after which an arm not measured since is explored again, once
 PRIOR_ROWS = 8  # the weight, in rows, of the level's and the chain's priors
 SETTLE_ROWS = 64  # rows measured before a class whose drafts do not pay seats requests plain
 EXPLORE, PROBE = 0.05, 0.02  # exploration credit: of the time drafting saved, and of all round time
@@ -72,7 +72,7 @@ class RoundPlan:
     seconds: float = 0.0
     arm: int | None = None  # auto: the grid index of the tree, or CHAIN_ARM; None for AR steps
     measure: int = 0  # tree sizes (grid columns) whose accepted tokens the round reads back
-    explored: float = 0.0  # auto: played to measure, against this best rate (tokens/s); 0 when not
+    explored: bool = False  # auto: played to measure, paid from the exploration credit
 
     @property
     def drafting(self) -> int:
@@ -128,6 +128,8 @@ class ClassStats:
         self.shape = np.full(arms, np.nan)  # accepted / (base + P), per arm; the chain's starts at its prior
         self.shape[-1] = chain_prior / (BASE / 2 + P)
         self.rows = np.zeros(arms)  # rows each arm's shape rests on (the prior not counted)
+        self.seen = np.zeros(arms)  # the class's round when each arm was last measured
+        self.round = 0
         self.credit = 0.0  # seconds exploration may spend
         self.seated = 0.0  # scouts owed to requests seated plain (admit)
 
@@ -137,6 +139,7 @@ class ClassStats:
         ratio = accepted / (base + P)
         self.shape[arm] = ratio if np.isnan(self.shape[arm]) else self.shape[arm] + rate * (ratio - self.shape[arm])
         self.rows[arm] += 1
+        self.seen[arm] = self.round
 
     def leveled(self, base: float) -> None:
         self.level += max(LEVEL_RATE, 1.0 / (1.0 + PRIOR_ROWS + self.level_rows)) * (base - self.level)
@@ -214,7 +217,8 @@ class Policy:
             chain = st.shape[self.chain_arm]
             trees = np.where(np.isnan(st.shape[: self.chain_arm]), chain * self.cap[:-1] / self.depth,
                              st.shape[: self.chain_arm])
-            shapes[c], known[c] = np.append(np.maximum.accumulate(trees), chain), np.minimum(st.rows, KNOWN)
+            fresh = st.round - st.seen <= STALE
+            shapes[c], known[c] = np.append(np.maximum.accumulate(trees), chain), np.where(fresh, np.minimum(st.rows, KNOWN), 0)
         out = np.stack([shapes[c] for c in classes]) * (np.asarray(levels)[:, None] + P)
         return np.minimum(out, self.cap), np.stack([known[c] for c in classes])
 
@@ -245,7 +249,7 @@ class Policy:
         gains = np.minimum(gains, np.maximum(np.array(room, dtype=float), 0.0)[:, None])
         arm, k, rate = self._best(gains, table, R)
         explore = self._explore(set(classes), gains, known, table, R, max(rate, ar_rate))
-        explored = 0.0 if explore is None else max(rate, ar_rate)
+        explored = explore is not None
         if explored:
             arm, k = explore, len(rows)
         elif rate <= ar_rate:
@@ -302,11 +306,10 @@ class Policy:
             credit = PROBE * seconds
         else:
             self._timed(plan.arm, table[plan.arm, plan.drafting] / self.factor[plan.arm], seconds)
-            tokens = R + sum(accepted)
-            if plan.explored:  # it pays what it lost, as it ran, against the rate it displaced
-                credit = PROBE * seconds - (seconds - tokens / plan.explored)
-            else:
-                credit = PROBE * seconds + EXPLORE * max(0.0, tokens * ar_seconds / R - seconds)
+            saved = (R + sum(accepted)) * ar_seconds / R - seconds
+            # An exploration pays what it lost against AR steps, as it ran (a thin arm's cost is
+            # the least known part of its prediction).
+            credit = PROBE * seconds + (min(0.0, saved) if plan.explored else EXPLORE * max(0.0, saved))
             for n, i in enumerate(plan.draft_rows):
                 s = slots[i]
                 st = self._stats(self.cls[s])
@@ -324,7 +327,7 @@ class Policy:
         for c in {self.cls[s] for s in slots}:
             st = self._stats(c)
             st.credit += credit
-            st.rows *= FADE
+            st.round += 1
         if plan.arm is None and plan.seconds:
             self._timed(-1, plan.seconds / self.factor[-1], seconds)
 
