@@ -36,16 +36,17 @@ LENGTHS = (32, 64, 128, 256, 512)
 LABELS = ["ar", "dflash", "ddtree-4", "ddtree-8", "ddtree-16", "ddtree-32", "ddtree-64", "auto"]
 
 
-def heldout_prompts(n: int, seed: int = 0) -> list[str]:
+def heldout_prompts(n: int, seed: int = 0, packages: tuple[str, ...] = PACKAGES) -> list[str]:
     """n prompts of 200-400 characters, half code (ending at a def line), half prose (ending
     inside a docstring), from the installed packages' sources, in a seeded order."""
     import importlib.util
 
     files = []
-    for name in PACKAGES:
+    for name in packages:
         spec = importlib.util.find_spec(name)
-        if spec is not None and spec.submodule_search_locations:
-            files += sorted(Path(next(iter(spec.submodule_search_locations))).rglob("*.py"))
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit(f"policy_heldout: {name!r} is not an installed package; pick others with --packages")
+        files += sorted(Path(next(iter(spec.submodule_search_locations))).rglob("*.py"))
     code, prose = [], []
     for f in files:
         text = f.read_text(errors="ignore")
@@ -93,13 +94,16 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["at-once", "gradual"], choices=["at-once", "gradual"])
     ap.add_argument("--per-batch", type=int, default=2, help="requests per cell = max(8, this x batch)")
     ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--packages", nargs="+", default=list(PACKAGES),
+                    help="installed packages whose sources give the prompts (a second held-out set: "
+                         "starlette anyio httpx jinja2 requests)")
     ap.add_argument("--labels", nargs="+", default=LABELS, help="engines to compare; auto is always one")
     ap.add_argument("--drafter", default=None, help="default: the demo's DFlash2 drafter")
     ap.add_argument("--out")
     args = ap.parse_args()
     labels = list(dict.fromkeys([*args.labels, "auto"]))
     base = engine("ar", 1, None, args.drafter)
-    texts = heldout_prompts(max(8, args.per_batch * max(args.batches)) * 2)
+    texts = heldout_prompts(max(8, args.per_batch * max(args.batches)) * 2, packages=tuple(args.packages))
     rows = []
     for t in args.temperatures:
         for b in args.batches:
