@@ -5,7 +5,7 @@ compiled kernels leak into the other's numbers; passes alternate between configu
 from other jobs on a shared machine hits every configuration alike, and each configuration keeps
 its best pass. Prompts are tokenized once here and given to both engines as token ids, so both
 decode exactly the same inputs, and the script checks that their outputs are token-identical.
-Both engines run on the same cores (0..threads-1): vLLM binds its threads there, and the
+Both engines run on the same cores (--first-core onwards, default 0..threads-1): vLLM binds its threads there, and the
 flashtree worker pins itself there too.
 
 vLLM lives in its own virtual environment (its CPU wheel pins its own torch):
@@ -23,13 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from flashtree.bench.jobs import run_job  # noqa: E402
+
 DEMO = ROOT / "flashtree" / "assets" / "demo"
 
 
@@ -113,7 +115,7 @@ def worker(job_file: str, out_file: str) -> None:
     if job["engine"] == "flashtree" and hasattr(os, "sched_setaffinity"):
         # vLLM binds its threads to cores 0..n-1 (VLLM_CPU_OMP_THREADS_BIND below); flashtree gets
         # the same cores, or on a shared machine the pinned engine keeps a core other jobs leave.
-        os.sched_setaffinity(0, range(min(job["threads"], os.cpu_count() or 1)))
+        os.sched_setaffinity(0, range(job["first_core"], job["first_core"] + job["threads"]))
     result = run_vllm(job) if job["engine"] == "vllm" else run_flashtree(job)
     Path(out_file).write_text(json.dumps(result))
 
@@ -134,20 +136,13 @@ def tokenize_prompts(target: Path, suites: list[str], per_suite: int) -> list[li
     return prompts
 
 
-def run_one(cfg: dict, common: dict, python: str, threads: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        job.write_text(json.dumps({**common, **cfg}))
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-               "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
-        if cfg["engine"] == "vllm":
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
-        proc = subprocess.run([python, __file__, "--worker", str(job), str(out)], env=env,
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-            raise SystemExit(f"vs_vllm: {cfg['label']} failed:\n{tail}")
-        return json.loads(out.read_text())
+def run_one(cfg: dict, common: dict, python: str, threads: int, first_core: int = 0) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+    if cfg["engine"] == "vllm":
+        last = first_core + threads - 1
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(first_core) if threads == 1 else f"{first_core}-{last}"
+    return run_job(python, __file__, {**common, **cfg, "first_core": first_core}, env, cfg["label"])
 
 
 def main() -> None:
@@ -169,11 +164,15 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--first-core", type=int, default=0, help="the first of the cores both engines run on")
     ap.add_argument("--compile", action="store_true", help="flashtree configs run with compile=True")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     if args.worker:
         return worker(*args.worker)
+    if args.first_core < 0 or args.first_core + args.threads > (os.cpu_count() or 1):
+        raise SystemExit(f"vs_vllm: cores {args.first_core}..{args.first_core + args.threads - 1} do not exist on this "
+                         f"machine ({os.cpu_count()} cores); lower --first-core or --threads")
 
     configs = [parse_config(c) for c in args.configs]
     prompts = tokenize_prompts(Path(args.target), args.suites, args.per_suite)
@@ -187,7 +186,7 @@ def main() -> None:
     for p in range(args.passes):
         for cfg in configs:
             python = args.vllm_python if cfg["engine"] == "vllm" else sys.executable
-            res = run_one(cfg, common, python, args.threads)
+            res = run_one(cfg, common, python, args.threads, args.first_core)
             tokens = sum(len(o) for o in res["outputs"])
             res["tok_s"] = tokens / res["wall"]
             print(f"pass {p + 1}: {cfg['label']:<24} {res['tok_s']:8.1f} tok/s", flush=True)

@@ -69,3 +69,26 @@ def test_padded_keys_are_masked_away(tmp_path):
     exact = ForwardContext.verify(cache, [0, 3], chain_spec(tokens))
     padded = ForwardContext.verify(cache, [0, 3], chain_spec(tokens), key_len=48)
     torch.testing.assert_close(logits(model, exact, tokens), logits(model, padded, tokens), rtol=0, atol=1e-10)
+
+
+def test_a_causal_window_over_exact_keys_needs_no_mask_tensor(tmp_path, monkeypatch):
+    """A chain after a prefix, all rows at one length with exactly their keys: the lower-right
+    CausalBias (flash-eligible on CUDA; forced here on the CPU, which keeps its bias) gives the
+    masked path's logits; a window from position 0 takes SDPA's own causal mask on every device."""
+    import flashtree.models.mask as mask
+
+    model, cache = filled(tmp_path)
+    tokens = torch.tensor([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
+    ctx = ForwardContext.verify(cache, [0, 2], chain_spec(tokens))  # both slots hold 9 tokens
+    assert torch.is_tensor(ctx.attn_bias) and ctx.attn_bias.dtype == torch.float64  # the CPU keeps its bias
+    monkeypatch.setattr(mask, "lower_right_flash", lambda device: True)
+    ctx = ForwardContext.verify(cache, [0, 2], chain_spec(tokens))
+    assert type(ctx.attn_bias).__name__ == "CausalBias"
+    torch.testing.assert_close(logits(model, ctx, tokens), logits(model, masked(ctx), tokens), rtol=0, atol=1e-10)
+
+    fresh = model.new_cache(1, 64)
+    prompt = torch.tensor([[2, 7, 1, 8, 2, 8]])
+    first = ForwardContext.prefill(fresh, [0], 6)
+    assert first.attn_bias is None and first.causal
+    ref = dataclasses.replace(masked(first), causal=False)
+    torch.testing.assert_close(logits(model, first, prompt), logits(model, ref, prompt), rtol=0, atol=1e-10)

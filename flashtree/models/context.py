@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from flashtree.models.mask import additive, causal_window_mask, path_taps, tree_ancestor_mask, tree_window_mask
+from flashtree.models.mask import (additive, causal_window_mask, lower_right_causal, path_taps, tree_ancestor_mask,
+                                   tree_window_mask)
 from flashtree.tree import TreeSpec, ancestor_table
 
 if TYPE_CHECKING:
@@ -80,9 +81,10 @@ class ForwardContext:
     parents: Tensor  # [R, N] window node index of each node's parent (-1 for the first)
     depths: Tensor  # [R, N] depth in the window (0 for the first node)
     key_len: int  # cache rows every query spans (committed prefix + window, padded)
-    attn_bias: Tensor | None  # [R, 1, N, key_len] additive (0 visible, -inf not); None: every key visible
+    attn_bias: Tensor | None  # [R, 1, N, key_len] additive (0 visible, -inf not), a CausalBias, or None: all visible
     is_chain: bool  # a causal chain: node i's parent is i - 1 (prefill, AR, DFlash, drafter blocks)
     keep_all: bool = False  # prefill: commit keeps the whole window
+    causal: bool = False  # with attn_bias None: a causal window over exactly its keys from position 0 (is_causal)
     ancestors: Tensor | None = None  # [R, N, D+1] ancestor table of a tree (flashtree.tree.ancestor_table)
     tree_mask: Tensor | None = None  # [R, 1, N, N] ancestor-or-self of a tree
     taps: Tensor | None = None  # [R, N, cache.path_taps] rows of [committed taps ++ window] on each node's path
@@ -142,9 +144,13 @@ class ForwardContext:
         idx = torch.arange(n, device=batch.starts.device)
         rows = batch.starts[:, None] + idx
         r = batch.size
-        bias = None
-        if with_mask and not (n == 1 and batch.uniform and key_len == batch.max_start + 1):
-            # A one-token window over exactly its slots' keys sees them all: no mask, flash-eligible.
-            bias = additive(causal_window_mask(batch.starts, n, key_len), cache.dtype)
+        bias, causal = None, False
+        exact = batch.uniform and key_len == batch.max_start + n  # every row's keys are its prefix + window
+        if with_mask and exact and n > 1 and key_len == n:
+            causal = True  # SDPA's own causal mask: the flash kernel, on every device
+        elif with_mask and not (exact and n == 1):  # a one-token window over exactly its keys sees them all
+            bias = lower_right_causal(n, key_len, batch.starts.device) if exact else None
+            if bias is None:
+                bias = additive(causal_window_mask(batch.starts, n, key_len), cache.dtype)
         return cls(cache, batch, positions=rows, rows=rows, parents=(idx - 1).expand(r, n), depths=idx.expand(r, n),
-                   key_len=key_len, attn_bias=bias, is_chain=True, keep_all=keep_all)
+                   key_len=key_len, attn_bias=bias, causal=causal, is_chain=True, keep_all=keep_all)

@@ -38,5 +38,6 @@ class GatedAttention(nn.Module):
         q, k = apply_rotary(qk, rope).split([h, hkv], dim=2)  # one rotation for q and k
         ctx.cache.write(self.index, ctx, k, v)
         keys, values = ctx.cache.read(self.index, ctx)
-        out = attention(q.transpose(1, 2), keys, values, ctx.attn_bias, hd**-0.5).transpose(1, 2).reshape(r, n, -1)
+        out = attention(q.transpose(1, 2), keys, values, ctx.attn_bias, hd**-0.5, ctx.causal)
+        out = out.transpose(1, 2).reshape(r, n, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(r, n, -1)))

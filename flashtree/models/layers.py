@@ -197,9 +197,11 @@ def apply_rotary(x: Tensor, rope: Rope) -> Tensor:
     return torch.addcmul(x * rope.cos, swapped, rope.sin)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, causal: bool = False) -> Tensor:
     """SDPA over q [R,H,N,D] and k/v [R,Hkv,S,D]; mask [R,1,N,S] is additive (0 or -inf) in q's
-    dtype, built once per forward, or None where every key is visible (a flash-eligible call)."""
+    dtype, built once per forward, or a CausalBias (a causal window after a prefix, over exactly
+    its keys), or None: every key visible, or with `causal` SDPA's own causal mask (N == S). The
+    last three are flash-eligible calls."""
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
     )

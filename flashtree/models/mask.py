@@ -35,6 +35,21 @@ def additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
                        torch.full((), float("-inf"), dtype=dtype, device=mask.device))
 
 
+def lower_right_causal(n: int, key_len: int, device: torch.device) -> Tensor | None:
+    """A causal window of n queries after a prefix, over exactly its key_len keys, as SDPA's
+    lower-right CausalBias: flash-eligible on CUDA, so no mask tensor. On the CPU SDPA would build
+    the mask in every layer, so the caller keeps its one additive bias (None here)."""
+    if not lower_right_flash(device):
+        return None
+    from torch.nn.attention.bias import causal_lower_right  # imports dynamo (~70 MB): only where it is used
+
+    return causal_lower_right(n, key_len)
+
+
+def lower_right_flash(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
 def _relative_keys(starts: Tensor, key_len: int) -> Tensor:
     """[R, 1, key_len]: each key row's offset from its slot's window start."""
     return torch.arange(key_len, device=starts.device)[None, None, :] - starts[:, None, None]

@@ -84,7 +84,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(qk, rope).split([h, hkv], dim=2)  # one rotation for q and k
         ctx.cache.write(self.layer, ctx, k, v)
         keys, values = ctx.cache.read(self.layer, ctx)
-        out = attention(q.transpose(1, 2), keys, values, ctx.attn_bias, self.head_dim**-0.5)
+        out = attention(q.transpose(1, 2), keys, values, ctx.attn_bias, self.head_dim**-0.5, ctx.causal)
         return self.o_proj(out.transpose(1, 2).reshape(r, n, -1))
 
 
