@@ -143,9 +143,6 @@ class ModelRunner:
         self.inputs = InputStage(self.max_rows, device)
         self.sampling_inputs = SamplingStage(self.max_rows, device)
         self.staging = Staging(device)
-        self.run_prefill, self.run_verify, self.run_draft, self.run_append = \
-            self._prefill, self._verify, self._draft, self._append
-        self.run_tree, self.run_walk = build_tree, accept_walk
         sync = config.stage_timing if config.stage_timing is not None else device.type != "cuda"
         self.clock = StageClock(device, sync)
         self.timed_stages = sync or device.type == "cpu"  # stage times are real, not launch times
@@ -251,12 +248,12 @@ class ModelRunner:
         ids = torch.tensor([req.prompt_ids[start:end]], device=self.device)
         batch = SlotBatch.of(self.cache, [req.slot])
         scored = req.prompt_logprobs is not None
-        ctx, out = self.run_prefill(ids, batch, self.key_len(batch, n), scored, not self.plain[req.slot])
+        ctx, out = self._prefill(ids, batch, self.key_len(batch, n), scored, not self.plain[req.slot])
         self.cache.commit(ctx, [n])
         if self.mtp is not None:
             self.mtp.prefill(batch, ids, out.features)
         if self.drafter is not None and not self.plain[req.slot]:
-            dctx = self.run_append(batch, out.features, None, self.key_len(batch, 0))
+            dctx = self._append(batch, out.features, None, self.key_len(batch, 0))
             self.draft_cache.commit(dctx, [n])
         if scored:
             self.score_prompt(req, out.logits, start, end)
@@ -357,10 +354,10 @@ class ModelRunner:
         spec = self.draft(batch, roots, plan, staged)
         with self.clock.stage("verify"):
             features = self.mtp is not None or (self.drafter is not None and (plan.drafting > 0 or any(parking)))
-            ctx, out = self.run_verify(batch, spec, self.key_len(batch, spec.num_nodes), features)
+            ctx, out = self._verify(batch, spec, self.key_len(batch, spec.num_nodes), features)
             picks = pick(out.logits, sampling, ctx.positions + 1, spec.depth_bound + 1)
         with self.clock.stage("commit"):
-            walk = self.run_walk(spec, picks)
+            walk = accept_walk(spec, picks)
             codes = path_codes(spec, walk.path) if plan.measure else None
             scores = self.round_logprobs(out.logits, walk.path, walk.tokens, reqs, sampling)
             counts, emitted, logprobs, paths = self.read_round(walk.num_nodes, walk.tokens, reqs, scores, codes)
@@ -396,7 +393,7 @@ class ModelRunner:
             markov = self.drafter.transitions(hidden, logits, roots) if self.use_selector else None
             if plan.tree_rows:
                 tree = build_markov_tree(roots, *markov, plan.budget) if markov else build_tree(roots, logits, plan.budget)
-                spec = dataclasses.replace(tree, max_depth=min(logits.shape[1], plan.budget))
+                spec = self.static_depth(tree, min(logits.shape[1], plan.budget))
             else:
                 spec = build_markov_chain(roots, *markov) if markov else build_chain(roots, logits)
         else:
@@ -506,7 +503,7 @@ class ModelRunner:
         sub_roots = roots.index_select(0, staged["draft_rows"]) if "draft_rows" in staged else roots
         with self.clock.stage("draft"):
             t0 = time.perf_counter()
-            hidden, logits = self.run_draft(sub, sub_roots, plan.depth, self.key_len(sub, 0))
+            hidden, logits = self._draft(sub, sub_roots, plan.depth, self.key_len(sub, 0))
             # DFlash2's selector: each depth's candidates rescored given the parent's token.
             markov = self.drafter.transitions(hidden, logits, sub_roots) if self.use_selector else None
             if self.clock.sync:
@@ -515,7 +512,7 @@ class ModelRunner:
         with self.clock.stage("tree"):
             if plan.tree_rows:  # the exact top-budget tree (under the selector's Markov draft)
                 tree = build_markov_tree(sub_roots, *markov, plan.budget) if markov else \
-                    self.run_tree(sub_roots, logits, plan.budget)
+                    build_tree(sub_roots, logits, plan.budget)
                 part = self.static_depth(tree, min(logits.shape[1], plan.budget))
             else:  # the chain: the greedy path (under the selector's draft)
                 part = build_markov_chain(sub_roots, *markov) if markov else build_chain(sub_roots, logits)
@@ -525,8 +522,8 @@ class ModelRunner:
 
     def static_depth(self, spec: TreeSpec, bound: int) -> TreeSpec:
         """With static shapes, the tree's depth bound is the drafted one: a builder may stop early
-        (fewer depths than drafted), and compiled code unrolls loops over the bound, so a bound that
-        varied would compile anew. Any bound >= the true depth gives the same result."""
+        (fewer depths than drafted), and a captured round's mask and walk shapes follow the bound,
+        so it must not vary. Any bound >= the true depth gives the same result."""
         return dataclasses.replace(spec, max_depth=bound) if self.static else spec
 
     # ---- what the policy learns from ------------------------------------------------------
@@ -599,7 +596,7 @@ class ModelRunner:
                 kept = [counts[i] for i in plan.draft_rows]
             else:
                 sub, feats, path, kept = batch, features, walk.path, counts
-            dctx = self.run_append(sub, feats, path, self.key_len(sub, 0))
+            dctx = self._append(sub, feats, path, self.key_len(sub, 0))
             self.draft_cache.commit(dctx, kept)  # rows past len(kept) pad the batch: dropped
         if self.deferred is not None and AR in plan.modes:
             if "idle_rows" in staged:
