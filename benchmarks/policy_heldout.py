@@ -7,11 +7,16 @@ files of packages installed beside flashtree (tqdm, click, uvicorn, pydantic, hu
 cut at function definitions (code) and docstrings (prose), each with its own output length from
 32 to 512 tokens (ignore_eos, seeded). Nothing here was looked at while setting the policy.
 
-Per cell, every engine (ar, dflash, ddtree at 4-64 nodes, auto) shares the loaded weights and
-runs the same requests, in a shuffled order each pass, best of the passes:
+Per cell, every engine (ar, dflash, ddtree at 4-64 nodes, auto, and a second `ar`, the twin)
+shares the loaded weights and runs the same requests:
 - at once: all the cell's requests added together, max_batch = the batch (LLM.generate's shape);
 - gradual: one request arrives every few engine steps until all have (a server's shape).
-Auto keeps what it learned from one pass to the next, as a server does.
+The engines run at the same time, in turns of about 50 ms of their own steps in a new random
+order each turn (policy_grid.run_interleaved), so the box's drift falls on all alike: run one
+after another, a cell's engines met different minutes of the machine, and identical work came
+out up to 40% apart. A label's rate is its tokens over its own steps' seconds, all passes
+together; auto starts fresh in every cell and keeps what it learned from pass to pass, as a
+server does, so its learning is in the number. The twin shows the spread of identical engines.
 
     OMP_NUM_THREADS=1 python benchmarks/policy_heldout.py --out heldout.json
 """
@@ -30,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flashtree import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from flashtree.bench.policy_grid import TWIN, GridCell, run_interleaved  # noqa: E402
 
 PACKAGES = ("tqdm", "click", "uvicorn", "pydantic", "huggingface_hub")
 LENGTHS = (32, 64, 128, 256, 512)
@@ -63,7 +69,7 @@ def heldout_prompts(n: int, seed: int = 0, packages: tuple[str, ...] = PACKAGES)
 
 
 def engine(label: str, batch: int, base: LLMEngine | None, drafter: str | None) -> LLMEngine:
-    method, budget = ("ddtree", "auto") if label == "auto" else (label, 64)
+    method, budget = ("ddtree", "auto") if label == "auto" else ("ar" if label == TWIN else label, 64)
     if label.startswith("ddtree-"):
         method, budget = "ddtree", int(label.split("-")[1])
     cfg = EngineConfig(drafter=drafter, method=method, budget=budget, max_budget=64, max_batch=batch,
@@ -71,20 +77,32 @@ def engine(label: str, batch: int, base: LLMEngine | None, drafter: str | None) 
     return LLMEngine(cfg, share_weights=base)
 
 
-def run(eng: LLMEngine, ids: list[list[int]], params: list[SamplingParams], gradual: int) -> tuple[int, float]:
-    """Output tokens and wall seconds of one workload: all at once (gradual = 0) or one request
-    every `gradual` steps."""
-    pending = list(zip(ids, params))
-    reqs, steps = [], 0
-    t0 = time.perf_counter()
-    while pending or eng.has_unfinished:
-        if pending and (not gradual or steps % gradual == 0):
-            for p, sp in (pending if not gradual else pending[:1]):
-                reqs.append(eng.add_request(p, sp))
-            pending = [] if not gradual else pending[1:]
-        eng.step()
-        steps += 1
-    return sum(len(r.output_ids) for r in reqs), time.perf_counter() - t0
+class Arrivals:
+    """One engine's run of a cell's requests: all added at the first step (every = 0) or one
+    every `every` of its steps; only the engine's own steps count as its time (run_interleaved's
+    protocol: step() is False once every request has finished)."""
+
+    def __init__(self, eng: LLMEngine, ids: list[list[int]], params: list[SamplingParams], cell: GridCell,
+                 every: int) -> None:
+        self.eng, self.pending, self.cell, self.every = eng, list(zip(ids, params)), cell, every
+        self.reqs: list = []
+        self.steps = 0
+
+    def step(self) -> bool:
+        t0 = time.perf_counter()
+        if self.pending and (not self.every or self.steps % self.every == 0):
+            arriving = self.pending if not self.every else self.pending[:1]
+            self.reqs += [self.eng.add_request(p, sp) for p, sp in arriving]
+            self.pending = self.pending[len(arriving):]
+        if self.eng.has_unfinished:
+            self.eng.step()
+        self.steps += 1
+        self.cell.seconds += time.perf_counter() - t0
+        if self.pending or self.eng.has_unfinished:
+            return True
+        self.cell.tokens += sum(len(r.output_ids) for r in self.reqs)
+        self.cell.outputs.append([t for r in self.reqs for t in r.output_ids])
+        return False
 
 
 def main() -> None:
@@ -101,7 +119,7 @@ def main() -> None:
     ap.add_argument("--drafter", default=None, help="default: the demo's DFlash2 drafter")
     ap.add_argument("--out")
     args = ap.parse_args()
-    labels = list(dict.fromkeys([*args.labels, "auto"]))
+    labels = list(dict.fromkeys([*args.labels, "auto", TWIN]))
     base = engine("ar", 1, None, args.drafter)
     texts = heldout_prompts(max(8, args.per_batch * max(args.batches)) * 2, packages=tuple(args.packages))
     rows = []
@@ -113,24 +131,22 @@ def main() -> None:
                 params = [SamplingParams(temperature=t, max_tokens=LENGTHS[i % len(LENGTHS)], ignore_eos=True,
                                          seed=1000 + i) for i in range(n)]
                 engines = {label: engine(label, b, base, args.drafter) for label in labels}
-                best: dict[str, float] = {}
-                outputs: dict[str, int] = {}
-                rng = random.Random(hash((t, b, shape)) & 0xFFFF)
-                for _ in range(args.passes):
-                    order = labels[:]
-                    rng.shuffle(order)
-                    for label in order:
-                        tokens, seconds = run(engines[label], ids, params, 0 if shape == "at-once" else 2)
-                        best[label] = max(best.get(label, 0.0), tokens / seconds)
-                        outputs[label] = tokens
-                fixed = {k: v for k, v in best.items() if k != "auto"}
+                cells = {label: GridCell(t, b, label) for label in labels}
+                for p in range(args.passes):
+                    run_interleaved([Arrivals(engines[label], ids, params, cells[label],
+                                              0 if shape == "at-once" else 2) for label in labels],
+                                    seed=1000 * p + 10 * b + round(10 * t) + (shape == "gradual"))
+                rate = {label: c.tokens_per_s for label, c in cells.items()}
+                fixed = {k: v for k, v in rate.items() if k not in ("auto", TWIN)}
                 top = max(fixed, key=fixed.get)
-                row = {"temperature": t, "batch": b, "shape": shape, "requests": n, "tok_s": best,
-                       "best_fixed": top, "auto_x_best": best["auto"] / fixed[top], "auto_x_ar": best["auto"] / best["ar"],
-                       "same_token_counts": len(set(outputs.values())) == 1}
+                row = {"temperature": t, "batch": b, "shape": shape, "requests": n, "tok_s": rate,
+                       "best_fixed": top, "auto_x_best": rate["auto"] / fixed[top], "auto_x_ar": rate["auto"] / rate["ar"],
+                       "twin_x_ar": rate[TWIN] / rate["ar"],
+                       "same_tokens": all(c.outputs == cells["ar"].outputs for c in cells.values())}
                 rows.append(row)
-                print(f"T={t} batch={b} {shape:8s} auto {best['auto']:7.1f} tok/s | best {top} {fixed[top]:7.1f} | "
-                      f"auto/best {row['auto_x_best']:.3f} auto/ar {row['auto_x_ar']:.3f}", flush=True)
+                print(f"T={t} batch={b} {shape:8s} auto {rate['auto']:7.1f} tok/s | best {top} {fixed[top]:7.1f} | "
+                      f"auto/best {row['auto_x_best']:.3f} auto/ar {row['auto_x_ar']:.3f} twin/ar {row['twin_x_ar']:.3f}"
+                      + ("" if row["same_tokens"] else " OUTPUTS DIFFER"), flush=True)
     worst_best = min(rows, key=lambda r: r["auto_x_best"])
     worst_ar = min(rows, key=lambda r: r["auto_x_ar"])
     print(f"\nworst auto/best: {worst_best['auto_x_best']:.3f} (T={worst_best['temperature']}, batch "
