@@ -147,6 +147,7 @@ def main() -> None:
                 print(f"T={t} batch={b} {shape:8s} auto {rate['auto']:7.1f} tok/s | best {top} {fixed[top]:7.1f} | "
                       f"auto/best {row['auto_x_best']:.3f} auto/ar {row['auto_x_ar']:.3f} twin/ar {row['twin_x_ar']:.3f}"
                       + ("" if row["same_tokens"] else " OUTPUTS DIFFER"), flush=True)
+                print("    " + "  ".join(f"{k} {v:.0f}" for k, v in rate.items()), flush=True)
     worst_best = min(rows, key=lambda r: r["auto_x_best"])
     worst_ar = min(rows, key=lambda r: r["auto_x_ar"])
     print(f"\nworst auto/best: {worst_best['auto_x_best']:.3f} (T={worst_best['temperature']}, batch "

@@ -8,10 +8,10 @@ b <= B would have accepted (ranks grow along a path: `by_size`), so one round me
 the chain is measured in its own rounds (along a tree's spine its walk is cut short where the
 spine ends, which would bias it low). Acceptance comes in streaks, and big trees tend to be played
 when it runs high, so an arm's estimate is paired: shape(arm) x (level + P). The shape is a slow
-average, per sampling class, of the arm's accepted tokens over (P + a base every drafting round
-measures alike: the accepted path's first BASE spine nodes); the level is the request's own recent
-base. seconds() is the cost model's measured table times a factor per arm that timed rounds keep
-current.
+average, per sampling class, of the arm's accepted tokens over one of (P + a base every drafting
+round measures alike: the accepted path's first BASE spine nodes) on the same rows; the level is
+the request's own recent base. seconds() is the cost model's measured table times a factor per arm
+that timed rounds keep current.
 
 One planner serves uniform and mixed batches: every row has its class's shapes and its own level,
 and rows join the drafting set in order of gain while each pays for its share of the drafter pass
@@ -121,23 +121,33 @@ def by_size(codes: list[int], sizes: list[int]) -> tuple[list[int], int, bool]:
 class ClassStats:
     """Measured acceptance of one sampling class: the level of the base and every arm's shape,
     each starting from a prior worth PRIOR_ROWS rows (the base at half its depth, the chain at
-    half its own), so one unlucky first round does not rule drafting out."""
+    half its own), so one unlucky first round does not rule drafting out. A shape is a ratio of
+    averages, accepted over base + P on the same rows: an average of per-round ratios ran 30% low
+    for the chain at T = 0, whose rounds keep all or little (few kept, a small ratio; many kept,
+    a ratio capped by the base)."""
 
     def __init__(self, arms: int, chain_prior: float) -> None:
         self.level, self.level_rows = BASE / 2, 0.0
-        self.shape = np.full(arms, np.nan)  # accepted / (base + P), per arm; the chain's starts at its prior
-        self.shape[-1] = chain_prior / (BASE / 2 + P)
+        self.kept = np.zeros(arms)  # per arm: average accepted drafted tokens ...
+        self.paired = np.zeros(arms)  # ... and average base + P on the same rows
+        self.kept[-1], self.paired[-1] = chain_prior, BASE / 2 + P
         self.rows = np.zeros(arms)  # rows each arm's shape rests on (the prior not counted)
         self.seen = np.zeros(arms)  # the class's round when each arm was last measured
         self.round = 0
         self.credit = 0.0  # seconds exploration may spend
         self.seated = 0.0  # scouts owed to requests seated plain (admit)
 
+    @property
+    def shape(self) -> np.ndarray:
+        """Per arm, accepted / (base + P); NaN where nothing was measured."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.paired > 0, self.kept / self.paired, np.nan)
+
     def measured(self, arm: int, accepted: float, base: float) -> None:
         prior = PRIOR_ROWS if arm == len(self.rows) - 1 else 0.0
         rate = max(SHAPE_RATE, 1.0 / (1.0 + prior + self.rows[arm]))  # a plain mean over the first rows
-        ratio = accepted / (base + P)
-        self.shape[arm] = ratio if np.isnan(self.shape[arm]) else self.shape[arm] + rate * (ratio - self.shape[arm])
+        self.kept[arm] += rate * (accepted - self.kept[arm])
+        self.paired[arm] += rate * (base + P - self.paired[arm])
         self.rows[arm] += 1
         self.seen[arm] = self.round
 
@@ -278,18 +288,18 @@ class Policy:
 
     def _explore(self, classes: set[int], gains: np.ndarray, known: np.ndarray, table: np.ndarray, R: int,
                  best_rate: float) -> int | None:
-        """An arm measured in fewer than KNOWN rows, played for every drafting row when the
-        classes' credit covers what it is predicted to lose against the best rate: the largest
-        such tree, for it measures every smaller one."""
-        stats = [self._stats(c) for c in classes]
-        credit = min(st.credit for st in stats)
+        """The largest thin tree (measured in fewer than KNOWN rows), else the chain if it is
+        thin, played for every drafting row once the classes' credit covers what it is predicted
+        to lose against the best rate. Only the largest: it measures every smaller tree, and small
+        trees played while credit was short measured nothing else (at T = 0, batch 1, a sixth of
+        the exploration rounds went to trees of 2 and 3 nodes)."""
         k = gains.shape[0]
-        thin = (known < KNOWN).any(0) & np.isfinite(table[:, k])
-        if not thin.any():
+        thin = np.flatnonzero((known < KNOWN).any(0) & np.isfinite(table[:, k]))
+        if not len(thin):
             return None
-        for arm in reversed([a for a in range(self.chain_arm) if thin[a]] or [self.chain_arm]):
-            if table[arm, k] - (R + gains[:, arm].sum()) / best_rate <= credit:
-                return arm  # charged in observe, at what it really cost
+        arm = int(thin[-2] if thin[-1] == self.chain_arm and len(thin) > 1 else thin[-1])
+        if table[arm, k] - (R + gains[:, arm].sum()) / best_rate <= min(self._stats(c).credit for c in classes):
+            return arm  # charged in observe, at what it really cost
         return None
 
     # ---- learning ---------------------------------------------------------------------------------
