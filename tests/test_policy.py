@@ -292,6 +292,42 @@ def test_tree_rounds_measure_every_smaller_tree_for_the_class():
     assert st.rows[policy.chain_arm] == 0
 
 
+def test_a_shape_predicts_the_mean_kept_where_rounds_keep_all_or_little():
+    """The chain at T = 0 keeps everything or almost nothing: half its rounds keep 15 (base 3),
+    half keep 0 (base 0). At the class's level the shape predicts the mean kept, 7.5 (an average
+    of per-round ratios would predict 4.3)."""
+    policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
+    st = policy._stats(0)
+    for i in range(2000):
+        kept = 15 if i % 2 else 0
+        st.measured(policy.chain_arm, kept, min(kept, 3))
+        st.leveled(min(kept, 3))
+    predicted = st.shape[policy.chain_arm] * (st.level + 0.5)
+    assert abs(predicted - 7.5) < 0.5, predicted
+
+
+def test_exploration_plays_the_largest_thin_tree_only():
+    """With credit to spare and no tree measured, the exploration round is the largest tree that
+    fits (it measures every smaller one); short of the credit for it, no smaller tree is played
+    instead."""
+    policy = Policy(_cost(3e-4), 16, 16, 64, 4096)
+    reqs = _requests(1)
+    policy.plan(reqs)
+    st = policy.classes[0]
+    st.rows[policy.chain_arm] = 100  # the chain is known; every tree is thin
+    st.credit = 10.0
+    assert policy.plan(reqs).arm == policy.sizes.index(64)
+    # Credit between what a tree of 2 and the tree of 64 are predicted to lose: no exploration.
+    ar_seconds, table = policy.seconds(1)
+    gains, _ = policy.expected([0], np.array([st.level]))
+    best = max(1 / ar_seconds, policy._best(gains, table, 1)[2])
+    loss = {b: table[policy.sizes.index(b), 1] - (1 + gains[0, policy.sizes.index(b)]) / best for b in (2, 64)}
+    assert loss[2] < loss[64]
+    st.credit = (max(loss[2], 0.0) + loss[64]) / 2
+    plan = policy.plan(reqs)
+    assert not plan.explored
+
+
 def test_frozen_costs_plan_alike_whatever_each_rank_timed():
     """Tensor parallelism freezes the cost model: two policies fed the same rounds with different
     wall times (each rank's own) make the same plans."""
