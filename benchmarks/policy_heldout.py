@@ -14,8 +14,10 @@ shares the loaded weights and runs the same requests:
 The engines run at the same time, in turns of about 50 ms of their own steps in a new random
 order each turn (policy_grid.run_interleaved), so the box's drift falls on all alike: run one
 after another, a cell's engines met different minutes of the machine, and identical work came
-out up to 40% apart. A label's rate is its tokens over its own steps' seconds, all passes
-together; auto starts fresh in every cell and keeps what it learned from pass to pass, as a
+out up to 40% apart. A label's rate is its tokens over its own steps' CPU seconds (the
+process's; run it with one thread), all passes together: CPU time leaves out the time the
+process waited for its core while other jobs ran, which wall time charged to whichever engine
+was stepping; auto starts fresh in every cell and keeps what it learned from pass to pass, as a
 server does, so its learning is in the number. The twin shows the spread of identical engines.
 
     OMP_NUM_THREADS=1 python benchmarks/policy_heldout.py --out heldout.json
@@ -79,8 +81,8 @@ def engine(label: str, batch: int, base: LLMEngine | None, drafter: str | None) 
 
 class Arrivals:
     """One engine's run of a cell's requests: all added at the first step (every = 0) or one
-    every `every` of its steps; only the engine's own steps count as its time (run_interleaved's
-    protocol: step() is False once every request has finished)."""
+    every `every` of its steps; only the engine's own steps count as its time, in CPU seconds
+    (run_interleaved's protocol: step() is False once every request has finished)."""
 
     def __init__(self, eng: LLMEngine, ids: list[list[int]], params: list[SamplingParams], cell: GridCell,
                  every: int) -> None:
@@ -89,7 +91,7 @@ class Arrivals:
         self.steps = 0
 
     def step(self) -> bool:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         if self.pending and (not self.every or self.steps % self.every == 0):
             arriving = self.pending if not self.every else self.pending[:1]
             self.reqs += [self.eng.add_request(p, sp) for p, sp in arriving]
@@ -97,7 +99,7 @@ class Arrivals:
         if self.eng.has_unfinished:
             self.eng.step()
         self.steps += 1
-        self.cell.seconds += time.perf_counter() - t0
+        self.cell.seconds += time.process_time() - t0
         if self.pending or self.eng.has_unfinished:
             return True
         self.cell.tokens += sum(len(r.output_ids) for r in self.reqs)
