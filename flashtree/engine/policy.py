@@ -131,14 +131,14 @@ class ClassStats:
         self.kept = np.zeros(arms)  # per arm: average accepted drafted tokens ...
         self.paired = np.zeros(arms)  # ... and average base + P on the same rows
         self.kept[-1], self.paired[-1] = chain_prior, BASE / 2 + P
+        self.shape = self._shape()
         self.rows = np.zeros(arms)  # rows each arm's shape rests on (the prior not counted)
         self.seen = np.zeros(arms)  # the class's round when each arm was last measured
         self.round = 0
         self.credit = 0.0  # seconds exploration may spend
         self.seated = 0.0  # scouts owed to requests seated plain (admit)
 
-    @property
-    def shape(self) -> np.ndarray:
+    def _shape(self) -> np.ndarray:
         """Per arm, accepted / (base + P); NaN where nothing was measured."""
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(self.paired > 0, self.kept / self.paired, np.nan)
@@ -148,6 +148,7 @@ class ClassStats:
         rate = max(SHAPE_RATE, 1.0 / (1.0 + prior + self.rows[arm]))  # a plain mean over the first rows
         self.kept[arm] += rate * (accepted - self.kept[arm])
         self.paired[arm] += rate * (base + P - self.paired[arm])
+        self.shape[arm] = self.kept[arm] / self.paired[arm]
         self.rows[arm] += 1
         self.seen[arm] = self.round
 
@@ -176,14 +177,21 @@ class Policy:
         self.rounds = 0
         self.hold: tuple[list[str], int] = ([], 0)  # AR steps decided ahead: for this batch, this many rounds
         self._tables: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
+        self._plans: dict[tuple[int, int], RoundPlan] = {}
 
     # ---- what things cost --------------------------------------------------------------------
 
     def arm_plan(self, arm: int, rows: int) -> RoundPlan:
-        """The fixed plan of a drafting arm for every row of a batch."""
-        if arm == self.chain_arm:
-            return replace(fixed_plan(rows, "dflash", self.depth + 1, 0), arm=arm)
-        return replace(fixed_plan(rows, "ddtree", self.depth + 1, self.grid[arm]), arm=arm, measure=arm + 1)
+        """The fixed plan of a drafting arm for every row of a batch (kept: plans are not changed
+        in place, and building one each round was a tenth of the plan's time)."""
+        plan = self._plans.get((arm, rows))
+        if plan is None:
+            if arm == self.chain_arm:
+                plan = replace(fixed_plan(rows, "dflash", self.depth + 1, 0), arm=arm)
+            else:
+                plan = replace(fixed_plan(rows, "ddtree", self.depth + 1, self.grid[arm]), arm=arm, measure=arm + 1)
+            self._plans[arm, rows] = plan
+        return plan
 
     def seconds(self, rows: int) -> tuple[float, np.ndarray]:
         """AR steps' seconds for a batch of `rows`, and [arms, rows + 1]: a drafting arm's seconds
@@ -221,16 +229,18 @@ class Policy:
         """[rows, arms]: the drafted tokens each row (its class, its level) is expected to keep,
         and how many rows each estimate rests on (capped at KNOWN). A tree never measured is
         expected to keep what the chain's first b nodes would, and no tree less than a smaller one."""
-        shapes, known = {}, {}
-        for c in set(classes):
+        uniq = sorted(set(classes))
+        shapes, known = [], []
+        for c in uniq:
             st = self._stats(c)
             chain = st.shape[self.chain_arm]
             trees = np.where(np.isnan(st.shape[: self.chain_arm]), chain * self.cap[:-1] / self.depth,
                              st.shape[: self.chain_arm])
-            fresh = st.round - st.seen <= STALE
-            shapes[c], known[c] = np.append(np.maximum.accumulate(trees), chain), np.where(fresh, np.minimum(st.rows, KNOWN), 0)
-        out = np.stack([shapes[c] for c in classes]) * (np.asarray(levels)[:, None] + P)
-        return np.minimum(out, self.cap), np.stack([known[c] for c in classes])
+            shapes.append(np.append(np.maximum.accumulate(trees), chain))
+            known.append(np.where(st.round - st.seen <= STALE, np.minimum(st.rows, KNOWN), 0))
+        idx = [uniq.index(c) for c in classes] if len(uniq) > 1 else [0] * len(classes)
+        out = np.array(shapes)[idx] * (np.asarray(levels)[:, None] + P)
+        return np.minimum(out, self.cap), np.array(known)[idx]
 
     # ---- the plan ---------------------------------------------------------------------------------
 
