@@ -41,7 +41,7 @@ AR, CHAIN, TREE = 0, 1, 2
 MODE_NAMES = ("ar", "chain", "tree")
 BASE, P = 3, 0.5  # the paired base (spine nodes), and the tokens added to both sides of a shape
 LEVEL_RATE, REQUEST_RATE, SHAPE_RATE = 0.05, 0.3, 0.02  # EMA weights: per class row, per request round, per row
-OWN_ROUNDS = 4  # a request's own level counts n / (n + OWN_ROUNDS) against its class's after n rounds
+OWN_ROUNDS = 2  # a request's own level counts n / (n + OWN_ROUNDS) against its class's after n rounds
 KNOWN = 8  # rows measured before an arm's shape is trusted without exploring it
 STALE = 300  # rounds of its class after which an arm not measured since is explored again, once
 PRIOR_ROWS = 8  # the weight, in rows, of the level's and the chain's priors
@@ -49,6 +49,8 @@ SETTLE_ROWS = 64  # rows measured before a class whose drafts do not pay seats r
 EXPLORE, PROBE = 0.05, 0.02  # exploration credit: of the time drafting saved, and of all round time
 FACTOR_RATE = 0.1  # EMA weight of a timed round in its arm's cost factor
 HOLD_MAX = 32  # rounds AR steps may be decided ahead while the batch stays the same
+PROBE_TOKENS = 8  # a request's tokens before a probe (its first rounds keep little at T = 0)
+RECENT = 8  # requests whose own levels a class keeps: a new one is seated plain only if none would draft
 SCOUT = 8  # requests seated while their class is settled on AR steps: one in this many may draft
 
 
@@ -137,6 +139,7 @@ class ClassStats:
         self.round = 0
         self.credit = 0.0  # seconds exploration may spend
         self.seated = 0.0  # scouts owed to requests seated plain (admit)
+        self.recent: list[float] = []  # the own levels of its last RECENT measured requests
 
     def _shape(self) -> np.ndarray:
         """Per arm, accepted / (base + P); NaN where nothing was measured."""
@@ -222,6 +225,9 @@ class Policy:
     def _claim(self, req: Request) -> None:
         s = req.slot
         if self.owner[s] != req.request_id:
+            if self.owner[s] is not None and self.measured[s]:
+                recent = self._stats(self.cls[s]).recent
+                recent[:] = [*recent[1 - RECENT:], float(self.level[s])]
             self.owner[s], self.cls[s] = req.request_id, sampling_class(req.params)
             self.level[s], self.measured[s] = self._stats(self.cls[s]).level, 0.0
 
@@ -276,11 +282,17 @@ class Policy:
         if explored:
             arm, k = explore, len(rows)
         elif rate <= ar_rate:
-            # Under AR steps nothing is measured, so the plan can change only when the batch does
-            # or the credit covers an exploration: held until then (re-planned every other round
-            # at T = 0.7, the plan was 5% of an AR step).
-            self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds))))
-            return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds)
+            probe = self._probe(reqs, rows, classes, gains, table, R, ar_rate)
+            if probe is None:
+                # Under AR steps nothing is measured, so the plan can change only when the batch
+                # does, the credit covers an exploration or a probe falls due: held until then
+                # (re-planned every other round at T = 0.7, the plan was 5% of an AR step).
+                due = [PROBE_TOKENS - len(reqs[i].output_ids) for i in rows if not self.measured[reqs[i].slot]]
+                self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds), *[d for d in due if d > 0])))
+                return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds)
+            arm, explored = self.chain_arm, True
+            rows = [rows[j] for j in probe]
+            gains, k = gains[probe], len(probe)
         order = np.argsort(-gains[:, arm], kind="stable")[:k]
         drafting = sorted(rows[i] for i in order)
         plan = self.arm_plan(arm, R)
@@ -290,6 +302,19 @@ class Policy:
         return replace(plan, modes=[mode if i in chosen else AR for i in range(R)], draft_rows=drafting,
                        tree_rows=len(drafting) if plan.tree_rows else 0, seconds=float(table[arm, k]),
                        predicted=[float(predicted[i]) if i in chosen else 0.0 for i in range(R)], explored=explored)
+
+    def _probe(self, reqs: list[Request], rows: list[int], classes: list[int], gains: np.ndarray, table: np.ndarray,
+               R: int, ar_rate: float) -> list[int] | None:
+        """Rows whose requests were never measured, past their first PROBE_TOKENS tokens: the
+        chain drafts for them once, paid from credit like an exploration. A class on AR steps
+        measures nothing, and its shapes say little of a new request: at T = 0 two prompts kept
+        2 tokens a round and the next ones 7-12, and the class stayed on AR steps for all."""
+        fresh = [j for j, i in enumerate(rows)
+                 if not self.measured[reqs[i].slot] and len(reqs[i].output_ids) >= PROBE_TOKENS]
+        if not fresh or not np.isfinite(table[self.chain_arm, len(fresh)]):
+            return None
+        loss = table[self.chain_arm, len(fresh)] - (R + gains[fresh, self.chain_arm].sum()) / ar_rate
+        return fresh if loss <= min(self._stats(classes[j]).credit for j in fresh) else None
 
     @staticmethod
     def _best(gains: np.ndarray, table: np.ndarray, R: int) -> tuple[int, int, float]:
@@ -347,7 +372,7 @@ class Policy:
                     base = min(accepted[i], BASE)
                     st.measured(self.chain_arm, accepted[i], base)
                 st.leveled(base)
-                self.level[s] += REQUEST_RATE * (base - self.level[s])
+                self.level[s] += max(REQUEST_RATE, 1.0 / (1.0 + self.measured[s])) * (base - self.level[s])
                 self.measured[s] += 1
         for c in {self.cls[s] for s in slots}:
             st = self._stats(c)
@@ -366,16 +391,18 @@ class Policy:
 
     def admit(self, params: SamplingParams, rows: int) -> bool:
         """May a request being seated ever draft? Not when its class has been measured and no
-        arm pays at its level in the batch it joins (its drafter then never sees it, and it costs
-        what an `ar` request does), but for one scout in SCOUT, whose exploration rounds keep
-        the class measured."""
+        arm would pay in the batch it joins even for a request at its top level (its drafter then
+        never sees it, and it costs what an `ar` request does), but for one scout in SCOUT, whose
+        exploration rounds keep the class measured. "Top" is the best own level of its last
+        RECENT requests: judged at the class's level, greedy requests after two that kept little
+        were seated plain, though the next ones kept 7-12 a round."""
         cls = sampling_class(params)
         st = self._stats(cls)
         if st.level_rows < SETTLE_ROWS:
             return True
         rows = max(1, min(rows, len(self.owner)))
         ar_seconds, table = self.seconds(rows)
-        gains = self.expected([cls], [st.level])[0][0]
+        gains = self.expected([cls], [max([st.level, *st.recent])])[0][0]
         if ((rows + rows * gains) / table[:, rows]).max() > rows / ar_seconds:
             return True
         st.seated += 1.0 / SCOUT
