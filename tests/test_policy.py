@@ -15,7 +15,8 @@ import torch
 from flashtree import LLM, EngineConfig, LLMEngine, SamplingParams
 from flashtree.engine import cost_model
 from flashtree.engine.cost_model import CostModel, Grid
-from flashtree.engine.policy import AR, CHAIN, PROBE, SCOUT, SETTLE_ROWS, Policy, RoundPlan, by_size, fixed_plan
+from flashtree.engine.policy import (AR, CHAIN, PROBE, PROBE_TOKENS, SCOUT, SETTLE_ROWS, Policy, RoundPlan, by_size,
+                                     fixed_plan)
 from flashtree.engine.runner import path_codes
 from flashtree.engine.sequence import Request
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree
@@ -326,6 +327,39 @@ def test_exploration_plays_the_largest_thin_tree_only():
     st.credit = (max(loss[2], 0.0) + loss[64]) / 2
     plan = policy.plan(reqs)
     assert not plan.explored
+
+
+def test_a_new_request_on_ar_steps_is_probed_once_with_the_chain():
+    """A class whose requests kept nothing is on AR steps; a new request in its slot drafts the
+    chain once after its first PROBE_TOKENS tokens (an exploration, paid from credit), and what
+    it keeps decides its next rounds: all kept, it goes on drafting; nothing kept, AR steps."""
+    for accept, drafts_on in ((0.95, True), (0.0, False)):
+        policy = Policy(_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
+        _run(policy, _requests(1), accept=0.0, rounds=400)
+        assert policy.plan(_requests(1)).drafting == 0
+        new = _requests(1)
+        policy.classes[0].credit = 1.0
+        new[0].output_ids = [5] * (PROBE_TOKENS - 1)
+        assert policy.plan(new).drafting == 0  # too early: a request's first rounds keep little
+        new[0].output_ids = [5] * PROBE_TOKENS
+        probe = policy.plan(new)
+        assert probe.explored and probe.modes == [CHAIN]
+        _feed(policy, probe, new, accept=accept)
+        assert (policy.plan(new).drafting > 0) == drafts_on
+
+
+def test_a_class_seats_plain_only_if_none_of_its_recent_requests_would_draft():
+    """A class whose average request does not pay still seats new requests speculative while
+    one of its recent requests kept enough to pay; once its recent requests all kept nothing,
+    new ones are seated plain (all but the scouts)."""
+    policy = Policy(_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
+    _run(policy, _requests(1), accept=0.0, rounds=3000)
+    st = policy.classes[0]
+    assert st.level_rows >= SETTLE_ROWS and not policy.admit(SamplingParams(), 1)
+    st.recent = [0.0, 3.0]  # one recent request kept its whole base every round
+    assert all(policy.admit(SamplingParams(), 1) for _ in range(SCOUT))
+    st.recent = [0.0, 0.0]
+    assert sum(policy.admit(SamplingParams(), 1) for _ in range(4 * SCOUT)) <= 4
 
 
 def test_frozen_costs_plan_alike_whatever_each_rank_timed():

@@ -287,8 +287,8 @@ class Policy:
                 # Under AR steps nothing is measured, so the plan can change only when the batch
                 # does, the credit covers an exploration or a probe falls due: held until then
                 # (re-planned every other round at T = 0.7, the plan was 5% of an AR step).
-                due = [PROBE_TOKENS - len(reqs[i].output_ids) for i in rows if not self.measured[reqs[i].slot]]
-                self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds), *[d for d in due if d > 0])))
+                due = [PROBE_TOKENS - 1 - len(reqs[i].output_ids) for i in rows if not self.measured[reqs[i].slot]]
+                self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])))
                 return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds)
             arm, explored = self.chain_arm, True
             rows = [rows[j] for j in probe]
