@@ -15,14 +15,14 @@ that timed rounds keep current.
 
 One planner serves uniform and mixed batches: every row has its class's shapes and its own level,
 and rows join the drafting set in order of gain while each pays for its share of the drafter pass
-(a batch verifies one window: rows left out still pay for it). A batch that samples alike drafts
-all its rows or none.
+(a batch verifies one window: rows left out still pay for it).
 
 Safe starts: a class with nothing measured plays the chain (which measures) when the cost model
 says the chain pays with half its depth accepted (the priors), else AR steps. Exploration (an arm
 measured in few rows, or not for a few hundred rounds) is paid from a credit of EXPLORE of the
 time drafting has saved over AR steps plus PROBE of all time, so a workload where drafting never
-pays loses at most about PROBE.
+pays loses at most about PROBE. The same credit pays for probing each request on AR steps once
+with the chain, after its first PROBE_TOKENS tokens: under AR steps nothing else measures it.
 """
 
 from __future__ import annotations
