@@ -281,8 +281,8 @@ def test_a_mixed_batch_drafts_only_the_rows_that_pay():
 
 
 def test_tree_rounds_measure_every_smaller_tree_for_the_class():
-    """One round of a tree of 32 gives the class a measured shape for every size up to it, and not
-    the chain's: along a tree's spine the chain's walk is cut short where the spine ends."""
+    """One round of a tree of 32 gives the class a measured shape for every size up to it, and the
+    chain a measured run along the tree's spine."""
     policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
     reqs = _requests(2)
     plan = policy.arm_plan(policy.sizes.index(32), 2)
@@ -290,21 +290,41 @@ def test_tree_rounds_measure_every_smaller_tree_for_the_class():
     st = policy.classes[0]
     j = policy.sizes.index(32)
     assert (st.rows[: j + 1] > 1.9).all() and (st.rows[j + 1 : -1] == 0).all()  # two rows each (fading)
-    assert st.rows[policy.chain_arm] == 0
+    assert st.rows[policy.chain_arm] == 2
 
 
 def test_a_shape_predicts_the_mean_kept_where_rounds_keep_all_or_little():
-    """The chain at T = 0 keeps everything or almost nothing: half its rounds keep 15 (base 3),
-    half keep 0 (base 0). At the class's level the shape predicts the mean kept, 7.5 (an average
-    of per-round ratios would predict 4.3)."""
+    """A tree at T = 0 keeps everything or almost nothing: half its rounds keep 15 (base 3), half
+    keep 0 (base 0). At the class's level the shape predicts the mean kept, 7.5 (an average of
+    per-round ratios would predict 4.3)."""
     policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
-    st = policy._stats(0)
+    st, arm = policy._stats(0), policy.sizes.index(64)
     for i in range(2000):
         kept = 15 if i % 2 else 0
-        st.measured(policy.chain_arm, kept, min(kept, 3))
+        st.measured(arm, kept, min(kept, 3))
         st.leveled(min(kept, 3))
-    predicted = st.shape[policy.chain_arm] * (st.level + 0.5)
-    assert abs(predicted - 7.5) < 0.5, predicted
+    assert abs(st.shape[arm] * (st.level + 0.5) - 7.5) < 0.5
+
+
+def test_the_chain_is_measured_along_tree_spines_where_they_end_first():
+    """The chain keeps each next token with probability 0.8 (7.2 of 15 on average). Tree rounds
+    show its run only up to their spine's end, 6 nodes deep here; the survival by depth still
+    predicts 7.2 at the class's level, where the runs as seen average under 3."""
+    rng = np.random.default_rng(0)
+    policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
+    st = policy._stats(0)
+    seen = []
+    for i in range(4000):
+        run = next((d for d, ok in enumerate(rng.random(15) < 0.8) if not ok), 15)
+        if i % 4:  # a tree round: the spine ends at depth 6
+            st.chain_run(min(run, 6), run >= 6)
+            seen.append(min(run, 6))
+        else:
+            st.chain_run(run, False)
+        st.leveled(min(run, 3))
+    truth = sum(0.8 ** d for d in range(1, 16))
+    assert abs(st.shape[policy.chain_arm] * (st.level + 0.5) - truth) < 0.6
+    assert np.mean(seen) < 3
 
 
 def test_exploration_plays_the_largest_thin_tree_only():

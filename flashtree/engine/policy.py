@@ -5,8 +5,8 @@ nodes, whichever measured acceptance and measured round costs predict gives the 
 
 E_r is measured, not forecast. A verified tree of B nodes tells exactly what every top-b tree with
 b <= B would have accepted (ranks grow along a path: `by_size`), so one round measures many arms;
-the chain is measured in its own rounds (along a tree's spine its walk is cut short where the
-spine ends, which would bias it low). Acceptance comes in streaks, and big trees tend to be played
+the chain is measured in its own rounds and along every tree's spine, as survival by depth (where
+the spine ends first, the chain's run is censored). Acceptance comes in streaks, and big trees tend to be played
 when it runs high, so an arm's estimate is paired: shape(arm) x (level + P). The shape is a slow
 average, per sampling class, of the arm's accepted tokens over one of (P + a base every drafting
 round measures alike: the accepted path's first BASE spine nodes) on the same rows; the level is
@@ -121,43 +121,57 @@ def by_size(codes: list[int], sizes: list[int]) -> tuple[list[int], int, bool]:
 
 
 class ClassStats:
-    """Measured acceptance of one sampling class: the level of the base and every arm's shape,
-    each starting from a prior worth PRIOR_ROWS rows (the base at half its depth, the chain at
-    half its own), so one unlucky first round does not rule drafting out. A shape is a ratio of
-    averages, accepted over base + P on the same rows: an average of per-round ratios ran 30% low
-    for the chain at T = 0, whose rounds keep all or little (few kept, a small ratio; many kept,
-    a ratio capped by the base)."""
+    """Measured acceptance of one sampling class: the level of the base, every tree's shape, and
+    the chain's survival by depth. Each starts from a prior worth PRIOR_ROWS rows (the base at
+    half its depth, the chain keeping about half its own), so one unlucky first round does not
+    rule drafting out. A tree's shape is a ratio of averages, accepted over base + P on the same
+    rows (an average of per-round ratios ran 30% low where rounds keep all or little). The chain
+    is read from every drafting round: its own rounds show where it stopped, a tree round shows
+    its spine up to where the walk left it, or up to the spine's end (censored there). So the
+    chain is measured on the same requests as the trees: from its own rounds alone, which were
+    the first requests', it came out a third low at T = 0, and trees won that the chain beat."""
 
-    def __init__(self, arms: int, chain_prior: float) -> None:
+    def __init__(self, arms: int, depth: int) -> None:
         self.level, self.level_rows = BASE / 2, 0.0
-        self.kept = np.zeros(arms)  # per arm: average accepted drafted tokens ...
+        self.kept = np.zeros(arms)  # per tree: average accepted drafted tokens ...
         self.paired = np.zeros(arms)  # ... and average base + P on the same rows
-        self.kept[-1], self.paired[-1] = chain_prior, BASE / 2 + P
-        self.shape = self._shape()
+        self.reached = np.full(depth, float(PRIOR_ROWS))  # the chain: rows that reached each depth ...
+        self.stopped = self.reached / (depth / 2 + 1)  # ... and stopped there (prior: ~half kept)
+        self.shape = np.full(arms, np.nan)  # per arm, accepted / (base + P)
         self.rows = np.zeros(arms)  # rows each arm's shape rests on (the prior not counted)
         self.seen = np.zeros(arms)  # the class's round when each arm was last measured
         self.round = 0
         self.credit = 0.0  # seconds exploration may spend
         self.seated = 0.0  # scouts owed to requests seated plain (admit)
         self.recent: list[float] = []  # the own levels of its last RECENT measured requests
-
-    def _shape(self) -> np.ndarray:
-        """Per arm, accepted / (base + P); NaN where nothing was measured."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self.paired > 0, self.kept / self.paired, np.nan)
+        self._chain_shape()
 
     def measured(self, arm: int, accepted: float, base: float) -> None:
-        prior = PRIOR_ROWS if arm == len(self.rows) - 1 else 0.0
-        rate = max(SHAPE_RATE, 1.0 / (1.0 + prior + self.rows[arm]))  # a plain mean over the first rows
+        rate = max(SHAPE_RATE, 1.0 / (1.0 + self.rows[arm]))  # a plain mean over the first rows
         self.kept[arm] += rate * (accepted - self.kept[arm])
         self.paired[arm] += rate * (base + P - self.paired[arm])
         self.shape[arm] = self.kept[arm] / self.paired[arm]
         self.rows[arm] += 1
         self.seen[arm] = self.round
 
+    def chain_run(self, run: int, censored: bool) -> None:
+        """The chain kept `run` drafted tokens, and stopped at the next one unless censored."""
+        run = int(run)
+        self.reached *= 1 - SHAPE_RATE
+        self.stopped *= 1 - SHAPE_RATE
+        self.reached[: run + (not censored)] += 1
+        if not censored and run < len(self.stopped):
+            self.stopped[run] += 1
+        self.rows[-1] += 1
+        self.seen[-1] = self.round
+
+    def _chain_shape(self) -> None:
+        self.shape[-1] = np.cumprod(1 - self.stopped / self.reached).sum() / (self.level + P)
+
     def leveled(self, base: float) -> None:
         self.level += max(LEVEL_RATE, 1.0 / (1.0 + PRIOR_ROWS + self.level_rows)) * (base - self.level)
         self.level_rows += 1
+        self._chain_shape()
 
 
 class Policy:
@@ -219,7 +233,7 @@ class Policy:
 
     def _stats(self, cls: int) -> ClassStats:
         if cls not in self.classes:
-            self.classes[cls] = ClassStats(self.chain_arm + 1, self.depth / 2)
+            self.classes[cls] = ClassStats(self.chain_arm + 1, self.depth)
         return self.classes[cls]
 
     def _claim(self, req: Request) -> None:
@@ -363,14 +377,15 @@ class Policy:
             for n, i in enumerate(plan.draft_rows):
                 s = slots[i]
                 st = self._stats(self.cls[s])
-                if plan.tree_rows:  # every smaller tree, exactly; the chain only from its own rounds
-                    counts, run, _ = measured[n]
+                if plan.tree_rows:  # every smaller tree exactly, and the chain along the spine
+                    counts, run, censored = measured[n]
                     base = min(run, BASE)
                     for arm, got in enumerate(counts):
                         st.measured(arm, got, base)
+                    st.chain_run(run, censored and run < self.depth)
                 else:
                     base = min(accepted[i], BASE)
-                    st.measured(self.chain_arm, accepted[i], base)
+                    st.chain_run(accepted[i], False)
                 st.leveled(base)
                 self.level[s] += max(REQUEST_RATE, 1.0 / (1.0 + self.measured[s])) * (base - self.level[s])
                 self.measured[s] += 1
