@@ -1,7 +1,8 @@
-"""budget="auto": the speculation policy. It never changes output, drafts only for the requests it
-speculates for, goes to AR when drafts stop paying (and probes its way back), sizes trees from
-the cost model, and caches that model on disk. Also the exactness of the trees it builds: cut,
-per-row and depth-trimmed builds equal smaller builds, and mixed windows hold their parts."""
+"""budget="auto": the speculation policy. It never changes output, drafts only for the rows it
+speculates for, starts safely (AR steps or the chain, as the cost model says), measures every
+smaller tree from a verified one, follows measured acceptance and cost to AR steps and back, plans
+uniform and mixed batches alike, and caches its cost model on disk. Also the exactness of the trees
+it relies on: cut and per-row builds equal smaller builds, placed rows keep their nodes."""
 
 from __future__ import annotations
 
@@ -14,14 +15,13 @@ import torch
 from flashtree import LLM, EngineConfig, LLMEngine, SamplingParams
 from flashtree.engine import cost_model
 from flashtree.engine.cost_model import CostModel, Grid
-from flashtree.engine.policy import AR, CHAIN, TREE, Policy, RoundPlan
-from flashtree.engine.runner import AR_TIMED_EVERY
-from flashtree.engine.selector import AR_ARM, COLD_ROUNDS, TIMED, Selector
+from flashtree.engine.policy import (AR, CHAIN, PROBE, PROBE_TOKENS, SCOUT, SETTLE_ROWS, Policy, RoundPlan, by_size,
+                                     fixed_plan)
+from flashtree.engine.runner import path_codes
 from flashtree.engine.sequence import Request
-from flashtree.tree import build_chain, build_tree
-from flashtree.tree.budget import expected_accepts, truncate
-from flashtree.tree.mix import cat_rows, pad_spec, place_rows, root_only
-from flashtree.tree.value import node_kinds, node_reach, spine_mask, value_curve
+from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree
+from flashtree.tree.budget import truncate
+from flashtree.tree.mix import place_rows, root_only
 from tiny import make_drafter, make_target
 
 FIELDS = ("tokens", "parents", "depths", "sizes", "scores")
@@ -35,6 +35,17 @@ def _same(a, b, rows=None) -> None:
         if rows is not None:
             x = x[rows]
         assert torch.equal(x, y), f
+
+
+def _padded(spec: TreeSpec, n: int) -> TreeSpec:
+    """spec with n nodes per row, the builders' padding (token -1, parent 0, depth 1, score -inf)."""
+    R, N = spec.tokens.shape
+
+    def widen(x, fill):
+        return torch.cat([x.expand(R, N), x.new_full((R, n - N), fill)], 1)
+
+    return TreeSpec(widen(spec.tokens, -1), widen(spec.parents, 0), widen(spec.depths, 1), spec.sizes,
+                    is_chain=False, scores=widen(spec.scores, float("-inf")))
 
 
 # ---- exact trees ------------------------------------------------------------------------
@@ -54,7 +65,7 @@ def test_truncate_equals_building_smaller():
 
 def test_partial_trees_equal_smaller_builds():
     """A per-row budget tensor under a static max builds each row's own smaller tree (padded), and
-    scoring only the first b depths (the policy trims the drafter's LM head) changes nothing:
+    scoring only the first b depths (the runner trims the drafter's LM head) changes nothing:
     a b-node tree is at most b deep."""
     g = torch.Generator().manual_seed(1)
     for trial in range(40):
@@ -67,7 +78,7 @@ def test_partial_trees_equal_smaller_builds():
         mixed = build_tree(roots, logits, budgets, max_budget=20)
         for r in range(4):
             b = int(budgets[r])
-            alone = pad_spec(build_tree(roots[r : r + 1], logits[r : r + 1], b), 21)
+            alone = _padded(build_tree(roots[r : r + 1], logits[r : r + 1], b), 21)
             for f in ("tokens", "parents", "depths", "scores"):
                 assert torch.equal(getattr(mixed, f)[r], getattr(alone, f)[0]), (trial, r, f)
             assert int(mixed.sizes[r]) == int(alone.sizes[0])
@@ -75,75 +86,46 @@ def test_partial_trees_equal_smaller_builds():
             _same(build_tree(roots, logits[:, :b], b), build_tree(roots, logits, b))
 
 
-def test_mixed_window_holds_its_parts():
-    """Tree rows, chain rows and lone roots placed into one window keep every node of their own
-    builds, and the lone roots are plain AR rows (one node, the rest padding)."""
+def test_placed_rows_keep_their_nodes():
+    """Drafted rows (a tree, or a chain) placed among lone roots keep every node of their builds,
+    and the lone roots are plain AR rows (one node, the rest padding)."""
     g = torch.Generator().manual_seed(2)
-    logits = torch.randn(5, 6, 9, generator=g) * 2
+    logits = torch.randn(2, 6, 9, generator=g) * 2
     roots = torch.arange(10, 15)
-    rows = torch.tensor([3, 0, 4])  # batch rows: two trees, then one chain
-    tree = build_tree(roots[rows[:2]], logits[:2], 7)
-    chain = build_chain(roots[rows[2:]], logits[2:3, :4])
-    lp = torch.log_softmax(logits[2:3, :4], -1).amax(-1).cumsum(1)
-    chain.scores = torch.cat([torch.zeros(1, 1), lp], 1)
-    part = cat_rows([pad_spec(tree, 8), pad_spec(chain, 8)])
-    window = place_rows(root_only(roots, 8), rows, part)
-    _same(window, pad_spec(tree, 8), rows=rows[:2])
-    assert torch.equal(window.tokens[4, :5], chain.tokens[0])
-    assert torch.equal(window.parents[4, :5], torch.arange(-1, 4))
-    for r in (1, 2):
+    rows = torch.tensor([3, 0])
+    tree = build_tree(roots[rows], logits, 7)
+    window = place_rows(root_only(roots, 8), rows, tree)
+    _same(window, tree, rows=rows)
+    chain = build_chain(roots[rows], logits)
+    window = place_rows(root_only(roots, 7), rows, chain)
+    assert torch.equal(window.tokens[rows], chain.tokens) and torch.equal(window.parents[3], torch.arange(-1, 6))
+    for r in (1, 2, 4):
         assert window.tokens[r, 0] == roots[r] and (window.tokens[r, 1:] == -1).all() and window.sizes[r] == 1
 
 
-def test_node_values_and_curves():
-    """The value curve of the nodes' reach is the drafter's own expected acceptance per budget, and
-    the spine is exactly the nodes whose every token is its depth's top-1."""
-    g = torch.Generator().manual_seed(3)
-    logits = torch.randn(3, 5, 7, generator=g) * 2
-    spec = build_tree(torch.tensor([0, 1, 2]), logits, 24)
-    assert torch.allclose(value_curve(spec, node_reach(spec)), expected_accepts(spec), atol=1e-5)
-    top = logits.argmax(-1)
-    for r in range(3):
-        for i in range(1, int(spec.sizes[r])):
-            path, n = [], i
-            while n > 0:
-                path.append(n)
-                n = int(spec.parents[r, n])
-            on = all(int(spec.tokens[r, m]) == int(top[r, int(spec.depths[r, m]) - 1]) for m in path)
-            assert bool(spine_mask(spec)[r, i]) == on
-    assert torch.equal(node_kinds(spec) == 0, spine_mask(spec))
+def test_a_verified_tree_measures_every_smaller_one_and_the_chain():
+    """by_size, from a big tree's accepted path codes, gives what each smaller top-b tree's own
+    walk accepts (the target's picks fixed per depth, as seed-exact sampling fixes them), and the
+    spine run gives the chain's whenever it is not cut short by the tree's spine."""
+    g = torch.Generator().manual_seed(5)
+    sizes = [1, 2, 3, 4, 6, 8, 12, 16, 24]
+    for trial in range(80):
+        V, D = 4, 5
+        logits = torch.randn(1, D, V, generator=g) * 2
+        roots = torch.tensor([0])
+        truth = torch.randint(0, V, (D + 1,), generator=g)  # the target's token at each depth
+        big = build_tree(roots, logits, 24)
 
+        def walked(spec):
+            picks = truth[spec.depths.expand_as(spec.tokens).clamp(max=D)]
+            return accept_walk(spec, picks)
 
-def test_observed_acceptance_is_the_walks_expectation():
-    """The calibration's observation: with argmax picks, each node's reach (picks matching down
-    its path) counted by depth and kind is exactly what the walk accepts; with sampled picks, the
-    product of the target's probabilities down the path is the walk's mean (Monte Carlo)."""
-    from flashtree.tree import accept_walk
-    from flashtree.tree.value import depth_mass, path_reach, walked_mass
-
-    g = torch.Generator().manual_seed(4)
-    V, D = 5, 4
-    spec = build_tree(torch.tensor([0, 1]), torch.randn(2, D, V, generator=g) * 2, 12)
-    kinds = node_kinds(spec)
-    parent, token = spec.parents.clamp(min=0), spec.tokens.clamp(min=0)
-    real = (spec.tokens >= 0) & (torch.arange(spec.num_nodes) > 0)
-    for trial in range(20):
-        picks = torch.randint(0, V, spec.tokens.shape, generator=g)
-        picks[:, 0] = torch.where(torch.rand(2, generator=g) < 0.7, spec.tokens[:, 1], picks[:, 0])
-        edge = torch.where(picks.gather(1, parent) == spec.tokens, 0.0, float("-inf"))
-        reach = torch.where(real, path_reach(spec, edge).exp(), 0.0)
-        walk = accept_walk(spec, picks)
-        assert torch.equal(depth_mass(spec, kinds, reach, D), walked_mass(spec, kinds, walk.path, D))
-    probs = torch.softmax(torch.randn(2, spec.num_nodes, V, generator=g), -1)
-    edge = probs.log().flatten(1).gather(1, parent * V + token)
-    reach = torch.where(real, path_reach(spec, edge).exp(), 0.0)
-    expected = depth_mass(spec, kinds, reach, D)
-    total = torch.zeros_like(expected)
-    n = 4000
-    for _ in range(n):
-        picks = torch.multinomial(probs.view(-1, V), 1, generator=g).view(2, -1)
-        total += walked_mass(spec, kinds, accept_walk(spec, picks).path, D)
-    assert torch.allclose(total / n, expected, atol=0.03)
+        walk = walked(big)
+        counts, run, censored = by_size(path_codes(big, walk.path)[0].tolist(), sizes)
+        for b, got in zip(sizes, counts):
+            assert got == int(walked(build_tree(roots, logits, b)).num_nodes[0]) - 1, (trial, b)
+        if not censored:
+            assert run == int(walked(build_chain(roots, logits)).num_nodes[0]) - 1, trial
 
 
 # ---- the policy on synthetic costs --------------------------------------------------------
@@ -157,323 +139,274 @@ def _cost(per_node: float, fixed: float = 0.010, draft: float = 0.004, rows: int
                      Grid(rs, [0, 1], [[0, 0], [0, 0]]), {"rows": rows, "window": 65, "budget": 64})
 
 
-def _requests(n: int, temperature: float = 0.0) -> list[Request]:
+def _requests(n: int, temperature: float = 0.0, first: int = 0) -> list[Request]:
     reqs = [Request([1, 2], SamplingParams(temperature=temperature)) for _ in range(n)]
     for i, r in enumerate(reqs):
-        r.slot = i
+        r.slot = first + i
     return reqs
 
 
-def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float, confidence: float = 0.8,
-          geometric: bool = False, slow: float = 1.0, room: list[int] | None = None) -> None:
-    """Pretend the round ran, with a drafter whose spine reach is confidence^depth and whose trees
-    are chains, and a target that accepts each spine node with probability `accept`; drafting
-    rounds take `slow` times the cost model's seconds."""
-    D, k = max(plan.depth, 1), plan.drafting
-    cols = policy.curve_columns(plan)
-    raw = confidence ** np.arange(1, D + 1)
-    extras = np.zeros((k, 2 * cols + 5 * D))
-    extras[:, :cols] = np.minimum(policy.grid[:cols], D)  # spine nodes in the top-b tree
-    extras[:, 2 * cols : 2 * cols + D] = raw
-    extras[:, 2 * cols + D : 2 * cols + 3 * D : 2] = raw  # predicted, spine kind
-    extras[:, 2 * cols + 3 * D :: 2] = raw * accept  # observed, spine kind
+def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float, slow: float = 1.0) -> None:
+    """Pretend the round ran: the target accepts each drafted depth with probability `accept`
+    (geometric: depth d with accept^d, so bigger trees add less), and the round took `slow` times
+    the cost model's seconds."""
+    D = policy.depth
+    curve = np.cumsum(accept ** np.arange(1, D + 1))
+    accepted = [0] * len(reqs)
     measured = None
-    if plan.measure:  # the selector's: accepted tokens per tree size, the spine's run, not cut short (by_size)
-        m = plan.measure
-        if geometric:  # depth d accepted with probability accept^d: bigger trees add less
-            curve = np.cumsum(accept ** np.arange(1, D + 1))
-            row = (curve[np.minimum(policy.grid[:m], D) - 1].tolist(), float(curve[-1]), False)
-        else:
-            row = ((accept * np.minimum(policy.grid[:m], D)).tolist(), accept * D, False)
-        measured = [row] * k
-    if plan.arm is not None and not plan.learn:
-        extras = None
-    accepted = [int(round(accept * min(D, 15))) if m != AR else 0 for m in plan.modes]
-    policy.observe(plan, [r.slot for r in reqs], extras if k else None, accepted, room, measured)
-    policy.timed(plan, len(reqs), plan.seconds * (slow if k else 1.0))
+    if plan.tree_rows:
+        counts = [float(curve[min(b, D) - 1]) for b in policy.sizes[: plan.measure]]
+        measured = [(counts, float(curve[-1]), False)] * plan.drafting
+        for i in plan.draft_rows:
+            accepted[i] = round(counts[-1])
+    elif plan.drafting:
+        for i in plan.draft_rows:
+            accepted[i] = round(float(curve[-1]))
+    policy.observe(plan, [r.slot for r in reqs], accepted, measured, (plan.seconds or 0.01) * slow)
 
 
-def test_split_follows_cost_and_batch():
-    """The per-request split (mixed batches). Cheap verify nodes buy big windows; expensive ones small windows or AR; and the same
-    acceptance that pays for trees at batch 1 buys a smaller window at batch 16."""
-    reqs = _requests(1)
-    cheap = Policy(_cost(1e-5), 16, 16, 64, 4096).split(reqs)
-    steep = Policy(_cost(2e-2), 16, 16, 64, 4096).split(reqs)
-    assert cheap.window > 8 and cheap.drafting == 1
-    assert steep.window <= 2 or steep.drafting == 0
-    one = Policy(_cost(2e-4), 16, 16, 64, 4096)
-    many = Policy(_cost(2e-4), 16, 16, 64, 4096)
-    w1 = np.median([one.split(reqs).window for _ in range(20)])
-    w16 = np.median([many.split(_requests(16)).window for _ in range(20)])
-    assert w16 < w1
-
-
-def test_split_collapse_goes_to_ar_and_probes_back():
-    """The per-request split: when nothing drafted is ever accepted the policy stops drafting, yet it keeps probing now and
-    then (a small share of rounds), and once drafts are accepted again it speculates again."""
-    policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
-    reqs = _requests(1, temperature=1.0)
-    modes = []
-    for _ in range(400):
-        plan = policy.split(reqs)
-        modes.append(plan.modes[0])
-        _feed(policy, plan, reqs, accept=0.0)
-    late = modes[100:]
-    assert late.count(AR) / len(late) > 0.9
-    assert any(m != AR for m in late)  # still probing
-    for _ in range(300):  # the drafter turns right: the next probes see it
-        plan = policy.split(reqs)
-        modes.append(plan.modes[0])
-        _feed(policy, plan, reqs, accept=1.0)
-    assert modes[-50:].count(AR) < 10
-
-
-def test_split_right_drafter_speculates_at_once():
-    """The per-request split, with a drafter the target always agrees with: the policy drafts from the first rounds on, with big
-    windows, and never settles on AR (the failure on the demo pair was the opposite: a policy that
-    under-forecast a good drafter and stayed on AR)."""
-    policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
-    reqs = _requests(1)
-    modes, windows = [], []
-    for _ in range(60):
-        plan = policy.split(reqs)
-        modes.append(plan.modes[0])
-        windows.append(plan.window)
-        _feed(policy, plan, reqs, accept=1.0)
-    assert AR not in modes[:1] and modes[2:].count(AR) == 0
-    assert np.median(windows[2:]) > 8
-
-
-def test_split_finds_a_streak_after_a_cold_stretch():
-    """The per-request split. Greedy acceptance comes in streaks (text falls into a copy). After a long cold stretch on AR
-    steps, a request whose class has won big before is re-tested every few rounds, so a streak
-    that starts is found within a few rounds, not dozens, and then kept."""
-    policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
-    first = _requests(1)
-    for _ in range(30):  # an earlier request of the class: drafts paid big
-        plan = policy.split(first)
-        _feed(policy, plan, first, accept=1.0)
-    reqs = _requests(1)
-    reqs[0].slot = 0
-    for _ in range(60):  # this one goes cold, and its drafts are unsure: the policy moves to AR steps
-        plan = policy.split(reqs)
-        _feed(policy, plan, reqs, accept=0.0, confidence=0.3)
-    for n in range(40):  # the streak starts
-        plan = policy.split(reqs)
-        _feed(policy, plan, reqs, accept=1.0)
-        if plan.modes[0] != AR:
-            break
-    assert n < 12, f"the streak was found only after {n} rounds"
-    following = []
-    for _ in range(10):
-        plan = policy.split(reqs)
-        following.append(plan.modes[0])
-        _feed(policy, plan, reqs, accept=1.0)
-    assert following.count(AR) <= 1
-
-
-def _run(policy: Policy, reqs: list[Request], rounds: int, accept: float, geometric: bool = False) -> list[RoundPlan]:
+def _run(policy: Policy, reqs: list[Request], accept: float, rounds: int) -> list[RoundPlan]:
     plans = []
     for _ in range(rounds):
-        plan = policy.plan(reqs)
-        plans.append(plan)
-        _feed(policy, plan, reqs, accept=accept, geometric=geometric)
+        plans.append(policy.plan(reqs))
+        _feed(policy, plans[-1], reqs, accept)
     return plans
 
 
-def test_selector_follows_cost_and_batch():
-    """Requests that sample alike get the selector's measured arm: cheap verify nodes buy big trees,
-    steep ones AR steps (once a few probes have shown it), and the acceptance that pays for a big tree at
-    batch 1 buys a smaller one at batch 16. Every row of a round does the same, but for probes."""
-    cheap = _run(Policy(_cost(1e-5), 16, 16, 64, 4096), _requests(1), 40, 0.8)
-    steep = _run(Policy(_cost(2e-2), 16, 16, 64, 4096), _requests(1), 100, 0.2)  # drafting: 2/3 of AR's rate
-    assert all(p.arm is not None for p in cheap + steep)
-    assert np.median([p.window for p in cheap[10:]]) >= 16  # the chain (window 16) or a bigger tree
-    assert sum(p.drafting for p in steep[50:]) <= 0.15 * 50  # a few probes, once the evidence is in
-    one = _run(Policy(_cost(2e-3), 16, 16, 64, 4096), _requests(1), 40, 0.9, geometric=True)
-    w1 = np.median([p.window for p in one[10:]])
-    many = _run(Policy(_cost(2e-3), 16, 16, 64, 4096), _requests(16), 40, 0.9, geometric=True)
-    # Every row alike, except probes from AR steps: those draft a quarter of the rows.
-    assert all(len(set(p.modes)) == 1 or p.drafting == 4 for p in many)
-    assert np.median([p.window for p in many[10:]]) < w1
+def test_a_fresh_policy_starts_from_the_chain_or_ar_as_the_cost_model_says():
+    """No evidence yet: the first rounds play the chain where the cost model says it pays with
+    half its depth kept, AR steps where it does not; never an exploration tree, whatever the batch."""
+    for batch in (1, 8, 16):
+        cheap = Policy(_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)  # a chain round costs little more than AR
+        plans = _run(cheap, _requests(batch), accept=0.9, rounds=4)
+        assert plans[0].modes == [CHAIN] * batch, batch
+        dear = Policy(_cost(2e-2, draft=0.2), 16, 16, 64, 4096)  # a chain round costs 10x an AR step
+        plans = _run(dear, _requests(batch), accept=0.9, rounds=4)
+        assert all(p.modes == [AR] * batch for p in plans), batch
 
 
-def test_ar_steps_are_timed_while_drafting_leads():
-    """Drafting rounds run 1.5x the cost model, AR steps at it. Never timed, AR steps would be
-    priced at the drafting arms' error (1.5x too); only their own rounds correct that, and
-    while drafting leads none would be played. So a few are, to time them (TIMED of them,
-    between the opening's drafting rounds), and from then on AR steps are priced at their own
-    seconds."""
-    policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
-    reqs = _requests(16)
-    plans = []
-    for _ in range(40):
-        plans.append(policy.plan(reqs))
-        _feed(policy, plans[-1], reqs, accept=1.0, slow=1.5)
-    timing = [i for i, p in enumerate(plans) if not p.drafting]
-    assert len(timing) == TIMED and all(plans[i].timed for i in timing)
-    assert timing[0] <= COLD_ROUNDS + 1 and timing[-1] - timing[0] < 2 * TIMED
-    assert all(p.drafting == 16 for p in plans[timing[-1] + 1:])  # drafting still leads
-    modelled = policy._arm_table(16)[0]
-    priced = policy.times.seconds(16, modelled)
-    assert priced[AR_ARM] == pytest.approx(modelled[AR_ARM], rel=0.01)
-    assert priced[plans[-1].arm] == pytest.approx(1.5 * modelled[plans[-1].arm], rel=0.01)
-    # A batch size where AR steps were never timed takes their error from the nearest size.
-    modelled = policy._arm_table(8)[0]
-    assert policy.times.seconds(8, modelled)[AR_ARM] == pytest.approx(modelled[AR_ARM], rel=0.01)
-    assert policy.times.counts(8, modelled)[AR_ARM] == TIMED
-    # Under a frozen cost model (tensor parallelism) nothing is timed, so nothing is played for it.
-    frozen = Policy(_cost(1e-5), 16, 16, 64, 4096)
-    frozen.cost.frozen = True
-    reqs = _requests(16)
-    for _ in range(12):
-        plan = frozen.plan(reqs)
-        assert plan.drafting == 16
-        _feed(frozen, plan, reqs, accept=1.0, slow=1.5)
+def test_a_fresh_engine_at_batch_8_picks_no_tree_wider_than_pays(tmp_path):
+    """A fresh engine's first rounds at batch 8, on its own measured cost model: the first drafting
+    round is the chain, and every drafting round is one the cost model predicted to beat AR steps
+    with what the policy expected it to keep, or an exploration paid from credit it had earned."""
+    target = make_target(tmp_path / "t", vocab=32, logit_scale=3.0)
+    drafter = make_drafter(tmp_path / "d", target_layers=4, vocab=32, block_size=8)
+    engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", max_model_len=96,
+                                    max_batch=8, max_budget=64, cost_cache="off"))
+    runner, policy = engine.runner, engine.runner.policy
+    seen = []  # per round: AR's seconds for the batch, the credit before it, and the plan
+    plan = runner.plan
+
+    def recorded(reqs):
+        credit = min(policy._stats(policy.cls[r.slot]).credit for r in reqs) if policy.classes else 0.0
+        p = plan(reqs)
+        seen.append((policy.seconds(len(reqs))[0], credit, p))
+        return p
+
+    runner.plan = recorded
+    for i in range(8):
+        engine.add_request([1 + i, 2, 3], SamplingParams(max_tokens=12, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    drafting = [(ar, credit, p) for ar, credit, p in seen if p.drafting]
+    assert not drafting or drafting[0][2].tree_rows == 0  # none at all where this machine's costs say so
+    for ar_seconds, credit, p in drafting:
+        rows = len(p.modes)
+        tokens = rows + sum(p.predicted)
+        pays = tokens / p.seconds > rows / ar_seconds
+        # else an exploration: what it loses against AR steps' rate (its tokens, at that rate) was covered
+        assert pays or p.seconds - tokens * ar_seconds / rows <= credit + 1e-12
 
 
-def test_the_selector_counts_the_tokens_requests_keep_not_the_walk():
-    """Requests with 3 tokens of room keep at most 2 drafted tokens a round, however far the walk
-    went (the rest lies past max_tokens): every arm's estimate is what is kept. The level (the
-    walk's base) is not cut, so it still says how well the text is drafted."""
-    estimates = {}
-    for room in (None, 3):
-        policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
-        reqs = _requests(4)
-        for _ in range(60):
-            plan = policy.plan(reqs)
-            _feed(policy, plan, reqs, accept=0.8, room=None if room is None else [room] * 4)
-        estimates[room] = policy.selector.accepted(0)
-    (free, free_chain), (cut, cut_chain) = estimates[None], estimates[3]
-    seen = [j for j in range(len(policy.grid)) if policy.selector.stats[0].seen[j] > 0]
-    assert max(free[j] for j in seen) > 5 and max(cut[j] for j in seen) <= 2.0 + 1e-6
-    assert free_chain > 5 and cut_chain <= 2.0 + 1e-6
-    sel = Selector(policy.grid, 15)
-    for _ in range(200):  # (the chain leans on the tree of its size, unseen here, for its first rows)
-        sel.observe(0, 4, None, [12] * 4, kept=[2] * 4)
-    assert sel.stats[0].level == pytest.approx(3.0) and sel.accepted(0)[1] == pytest.approx(2.0, rel=0.05)
+def test_measured_acceptance_moves_the_plan_with_cost_and_batch():
+    """Cheap verify nodes and high acceptance: trees; the same acceptance at batch 16 on dearer
+    nodes buys a smaller window; nothing accepted: AR steps."""
+    rich = Policy(_cost(1e-5), 16, 16, 64, 4096)
+    plans = _run(rich, _requests(1), accept=0.95, rounds=400)
+    assert plans[-1].drafting == 1 and plans[-1].window >= 16
+    busy = Policy(_cost(1e-4), 16, 16, 64, 4096)
+    plans_busy = _run(busy, _requests(16), accept=0.95, rounds=400)
+    assert plans_busy[-1].window < plans[-1].window
+    dead = Policy(_cost(1e-4), 16, 16, 64, 4096)
+    plans = _run(dead, _requests(4), accept=0.0, rounds=200)
+    assert sum(p.drafting > 0 for p in plans[100:]) <= 2
 
 
-def test_ar_steps_priced_by_a_few_slow_rounds_are_timed_again_while_drafting_leads():
-    """AR steps are timed as drafting leads (TIMED of them), and those happen to run 1.5x the
-    cost model. Then acceptance falls (0.8 to 0.45 a node) until AR steps and the best drafting
-    arm are about even at AR's true price, while at the stale one drafting leads by half. AR
-    steps near the best arm are re-timed now and then (a runner-up whose price may be stale), so
-    AR steps are played in most rounds: a price set by a few slow early rounds does not stand
-    for good. (Never re-timed, the chain took 94% of the last 200 rounds. The exploration share
-    settles while the best arm holds, so the re-timing comes some 300 rounds after the fall.)"""
+def test_exploration_costs_at_most_its_probe_share_where_nothing_pays():
+    """Drafts never accepted: the time spent on drafting rounds after the first chain rounds is
+    paid from PROBE of the time, a few percent at most."""
     policy = Policy(_cost(1e-4), 16, 16, 64, 4096)
-    reqs = _requests(16)
-    timed, ar_rounds = policy.timed, []
-
-    def slow_first_ar(plan, rows, seconds, held=(0.0, 0)):
-        if not plan.drafting:
-            ar_rounds.append(plan)
-            seconds *= 1.5 if len(ar_rounds) <= TIMED else 1.0
-        timed(plan, rows, seconds, held)
-
-    policy.timed = slow_first_ar
-    plans = []
-    for i in range(800):
-        plans.append(policy.plan(reqs))
-        _feed(policy, plans[-1], reqs, accept=0.8 if i < 100 else 0.45)
-    assert sum(p.drafting == 16 for p in plans[:100]) > 90 and len(ar_rounds) >= TIMED
-    assert sum(p.drafting for p in plans[-200:]) < 0.1 * 200 * 16
-    modelled = policy._arm_table(16)[0]
-    assert policy.times.seconds(16, modelled)[AR_ARM] == pytest.approx(modelled[AR_ARM], rel=0.05)
+    reqs = _requests(4)
+    plans = _run(policy, reqs, accept=0.0, rounds=2000)
+    ar_seconds = policy.seconds(4)[0]
+    extra = sum(p.seconds - ar_seconds for p in plans[20:] if p.drafting)
+    total = sum(p.seconds or ar_seconds for p in plans[20:])
+    assert extra <= 2 * PROBE * total + 1e-9
 
 
-def test_the_openings_ar_steps_are_timed_between_its_drafting_rounds():
-    """The machine runs at half speed for the first two rounds, then at full (a shared box's other
-    job ends). The opening times AR steps between its drafting rounds, not after them, so both
-    arms have one slow round of three and their prices keep the cost model's ratio; timed after
-    them, AR steps would be priced at half a drafting round's ratio and played where drafting
-    leads."""
-    policy = Policy(_cost(1e-4, draft=2e-4), 16, 16, 64, 4096)
-    reqs = _requests(16)
-    timed, count = policy.timed, []
+def test_a_uniform_batch_is_planned_as_the_per_row_path_plans_it(monkeypatch):
+    """One planner: a batch whose requests sample alike gets the plan it gets when its rows are
+    two classes with the same measured statistics (exploration off: it spends per class)."""
+    import flashtree.engine.policy as policy_module
 
-    def busy_at_first(plan, rows, seconds, held=(0.0, 0)):
-        count.append(plan)
-        timed(plan, rows, seconds * (2.0 if len(count) <= 2 else 1.0), held)
-
-    policy.timed = busy_at_first
-    plans = []
-    for _ in range(60):
-        plans.append(policy.plan(reqs))
-        _feed(policy, plans[-1], reqs, accept=0.6)
-    assert [bool(p.drafting) for p in plans[:2 * TIMED]] == [True, False] * TIMED
-    modelled = policy._arm_table(16)[0]
-    priced = policy.times.seconds(16, modelled)
-    drafted = plans[0].arm
-    ratio = (priced[AR_ARM] / priced[drafted]) / (modelled[AR_ARM] / modelled[drafted])
-    assert ratio == pytest.approx(1.0, rel=0.05)
-    assert sum(p.drafting == 16 for p in plans[-30:]) > 25
+    monkeypatch.setattr(policy_module, "EXPLORE", 0.0)
+    monkeypatch.setattr(policy_module, "PROBE", 0.0)
+    one = Policy(_cost(3e-5), 16, 16, 64, 4096)
+    two = Policy(_cost(3e-5), 16, 16, 64, 4096)
+    uniform = _requests(6)
+    mixed = _requests(3, temperature=0.0) + _requests(3, temperature=0.5, first=3)
+    warm = _requests(1, first=10)
+    for p in (one, two):
+        _run(p, warm, accept=0.8, rounds=60)
+    two.classes[5] = two.classes[0]  # the sampled class has measured exactly what the greedy one has
+    for _ in range(20):
+        a, b = one.plan(uniform), two.plan(mixed)
+        assert (a.modes, a.window, a.draft_rows, a.predicted) == (b.modes, b.window, b.draft_rows, b.predicted)
+        _feed(one, a, uniform, accept=0.8)
+        _feed(two, b, mixed, accept=0.8)
 
 
-def test_a_drafting_price_from_slow_rounds_is_timed_again_from_ar_steps():
-    """Drafting rounds run 2x the cost model for the first 40 rounds (cold caches, a busy
-    machine), then at it; AR steps always at it. At the slow price AR steps win and are played.
-    A probe from AR steps drafts a few rows, which measures acceptance but not the price, so
-    until THIN of its rounds are timed at this batch size a probe drafts every row: the price
-    comes down and drafting, the better arm at its true price, is played again."""
-    policy = Policy(_cost(1e-4, draft=2e-4), 16, 16, 64, 4096)
-    reqs = _requests(16)
-    timed, count = policy.timed, []
-
-    def slow_early_drafts(plan, rows, seconds, held=(0.0, 0)):
-        count.append(plan)
-        timed(plan, rows, seconds * (2.0 if plan.drafting and len(count) <= 40 else 1.0), held)
-
-    policy.timed = slow_early_drafts
-    plans = []
-    for _ in range(1500):
-        plans.append(policy.plan(reqs))
-        _feed(policy, plans[-1], reqs, accept=0.5)
-    assert sum(not p.drafting for p in plans[10:40]) > 25  # AR steps, at the slow price
-    assert sum(p.drafting == 16 for p in plans[-200:]) > 0.8 * 200
-    modelled = policy._arm_table(16)[0]
-    arm = plans[-1].arm
-    assert policy.times.seconds(16, modelled)[arm] / modelled[arm] < 1.2 * policy.times.load
+def test_a_mixed_batch_drafts_only_the_rows_that_pay():
+    """Greedy rows whose drafts are kept and sampled rows whose drafts never are: the plan drafts
+    the greedy rows and leaves the others on AR steps in the same round."""
+    policy = Policy(_cost(3e-5), 16, 16, 64, 4096)
+    greedy, sampled = _requests(4), _requests(4, temperature=1.0, first=4)
+    _run(policy, greedy, accept=0.9, rounds=80)
+    _run(policy, sampled, accept=0.0, rounds=200)
+    for st in policy.classes.values():
+        st.credit = 0.0  # no exploration round now
+    plan = policy.plan(greedy + sampled)
+    assert plan.draft_rows == [0, 1, 2, 3]
+    assert all(plan.modes[i] == AR for i in range(4, 8))
 
 
-def test_held_back_context_is_priced_to_ar_steps_not_to_the_next_drafting_round():
-    """A drafting round that also appended 40 held-back tokens (0.2 s of its 0.3 s) is timed as
-    its own 0.1 s: the append is what the AR steps that parked those tokens cost, so AR's price
-    carries it per row that parks (5 ms a token here), and a plain row parks nothing."""
-    policy = Policy(_cost(1e-3), 16, 16, 64, 4096)
-    drafting = policy.plan(_requests(4))  # a new class opens with a tree
-    assert drafting.arm >= 0 and drafting.drafting == 4
-    policy.timed(drafting, 4, 0.3, (0.2, 40))
-    assert policy.held_cost == pytest.approx(0.005)
-    assert policy.times.load == pytest.approx(0.1 / drafting.seconds)  # the first timed round sets it
-    priced = policy.ar_price({AR_ARM: 0.01, 3: 0.05}, 3)
-    assert priced == {AR_ARM: pytest.approx(0.025), 3: 0.05}
-    assert policy.ar_price({AR_ARM: 0.01}, 0) == {AR_ARM: 0.01}
-
-
-def test_selector_collapse_goes_to_ar_and_still_probes():
-    """When nothing drafted is accepted the selector goes to AR steps within a few rounds, and from
-    then on its probes cost a small share of the time, smaller the more drafting loses (here a
-    one-node tree costs 1.4x an AR step: a few percent of rounds; at 3x, well under 1%), yet
-    never stop."""
-    for per_node, share in ((2e-4, 0.05), (2e-2, 0.01)):
-        plans = _run(Policy(_cost(per_node), 16, 16, 64, 4096), _requests(1, temperature=1.0), 3000, accept=0.0)
-        late = [p.drafting for p in plans[20:]]
-        assert 0 < sum(late) < share * len(late)
-
-
-def test_mixed_batches_are_split_per_request():
-    """A batch whose requests sample differently is planned per request (the split), and the
-    split may treat its rows differently."""
-    policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
+def test_tree_rounds_measure_every_smaller_tree_for_the_class():
+    """One round of a tree of 32 gives the class a measured shape for every size up to it, and the
+    chain a measured run along the tree's spine."""
+    policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
     reqs = _requests(2)
-    reqs[1].params = SamplingParams(temperature=1.0)
+    plan = policy.arm_plan(policy.sizes.index(32), 2)
+    _feed(policy, plan, reqs, accept=0.9)
+    st = policy.classes[0]
+    j = policy.sizes.index(32)
+    assert (st.rows[: j + 1] > 1.9).all() and (st.rows[j + 1 : -1] == 0).all()  # two rows each (fading)
+    assert st.rows[policy.chain_arm] == 2
+
+
+def test_a_shape_predicts_the_mean_kept_where_rounds_keep_all_or_little():
+    """A tree at T = 0 keeps everything or almost nothing: half its rounds keep 15 (base 3), half
+    keep 0 (base 0). At the class's level the shape predicts the mean kept, 7.5 (an average of
+    per-round ratios would predict 4.3)."""
+    policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
+    st, arm = policy._stats(0), policy.sizes.index(64)
+    for i in range(2000):
+        kept = 15 if i % 2 else 0
+        st.measured(arm, kept, min(kept, 3))
+        st.leveled(min(kept, 3))
+    assert abs(st.shape[arm] * (st.level + 0.5) - 7.5) < 0.5
+
+
+def test_the_chain_is_measured_along_tree_spines_where_they_end_first():
+    """The chain keeps each next token with probability 0.8 (7.2 of 15 on average). Tree rounds
+    show its run only up to their spine's end, 6 nodes deep here; the survival by depth still
+    predicts 7.2 at the class's level, where the runs as seen average under 3."""
+    rng = np.random.default_rng(0)
+    policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
+    st = policy._stats(0)
+    seen = []
+    for i in range(4000):
+        run = next((d for d, ok in enumerate(rng.random(15) < 0.8) if not ok), 15)
+        if i % 4:  # a tree round: the spine ends at depth 6
+            st.chain_run(min(run, 6), run >= 6)
+            seen.append(min(run, 6))
+        else:
+            st.chain_run(run, False)
+        st.leveled(min(run, 3))
+    truth = sum(0.8 ** d for d in range(1, 16))
+    assert abs(st.shape[policy.chain_arm] * (st.level + 0.5) - truth) < 0.6
+    assert np.mean(seen) < 3
+
+
+def test_exploration_plays_the_largest_thin_tree_only():
+    """With credit to spare and no tree measured, the exploration round is the largest tree that
+    fits (it measures every smaller one); short of the credit for it, no smaller tree is played
+    instead."""
+    policy = Policy(_cost(3e-4), 16, 16, 64, 4096)
+    reqs = _requests(1)
+    policy.plan(reqs)
+    st = policy.classes[0]
+    st.rows[policy.chain_arm] = 100  # the chain is known; every tree is thin
+    st.credit = 10.0
+    assert policy.plan(reqs).arm == policy.sizes.index(64)
+    # Credit between what a tree of 2 and the tree of 64 are predicted to lose: no exploration.
+    ar_seconds, table = policy.seconds(1)
+    gains, _ = policy.expected([0], np.array([st.level]))
+    best = max(1 / ar_seconds, policy._best(gains, table, 1)[2])
+    loss = {b: table[policy.sizes.index(b), 1] - (1 + gains[0, policy.sizes.index(b)]) / best for b in (2, 64)}
+    assert loss[2] < loss[64]
+    st.credit = (max(loss[2], 0.0) + loss[64]) / 2
     plan = policy.plan(reqs)
-    assert plan.arm is None
+    assert not plan.explored
 
 
-# ---- the engine -------------------------------------------------------------------------
+def test_a_new_request_on_ar_steps_is_probed_once_with_the_chain():
+    """A class whose requests kept nothing is on AR steps; a new request in its slot drafts the
+    chain once after its first PROBE_TOKENS tokens (an exploration, paid from credit), and what
+    it keeps decides its next rounds: all kept, it goes on drafting; nothing kept, AR steps."""
+    for accept, drafts_on in ((0.95, True), (0.0, False)):
+        policy = Policy(_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
+        _run(policy, _requests(1), accept=0.0, rounds=400)
+        assert policy.plan(_requests(1)).drafting == 0
+        new = _requests(1)
+        policy.classes[0].credit = 1.0
+        new[0].output_ids = [5] * (PROBE_TOKENS - 1)
+        assert policy.plan(new).drafting == 0  # too early: a request's first rounds keep little
+        new[0].output_ids = [5] * PROBE_TOKENS
+        probe = policy.plan(new)
+        assert probe.explored and probe.modes == [CHAIN]
+        _feed(policy, probe, new, accept=accept)
+        assert (policy.plan(new).drafting > 0) == drafts_on
+
+
+def test_a_class_seats_plain_only_if_none_of_its_recent_requests_would_draft():
+    """A class whose average request does not pay still seats new requests speculative while
+    one of its recent requests kept enough to pay; once its recent requests all kept nothing,
+    new ones are seated plain (all but the scouts)."""
+    policy = Policy(_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
+    _run(policy, _requests(1), accept=0.0, rounds=3000)
+    st = policy.classes[0]
+    assert st.level_rows >= SETTLE_ROWS and not policy.admit(SamplingParams(), 1)
+    st.recent = [0.0, 3.0]  # one recent request kept its whole base every round
+    assert all(policy.admit(SamplingParams(), 1) for _ in range(SCOUT))
+    st.recent = [0.0, 0.0]
+    assert sum(policy.admit(SamplingParams(), 1) for _ in range(4 * SCOUT)) <= 4
+
+
+def test_frozen_costs_plan_alike_whatever_each_rank_timed():
+    """Tensor parallelism freezes the cost model: two policies fed the same rounds with different
+    wall times (each rank's own) make the same plans."""
+    a, b = Policy(_cost(3e-5), 16, 16, 64, 4096), Policy(_cost(3e-5), 16, 16, 64, 4096)
+    a.cost.frozen = b.cost.frozen = True
+    reqs = _requests(4)
+    for i in range(200):
+        pa, pb = a.plan(reqs), b.plan(reqs)
+        assert (pa.modes, pa.window, pa.draft_rows) == (pb.modes, pb.window, pb.draft_rows)
+        _feed(a, pa, reqs, accept=0.7, slow=1.0)
+        _feed(b, pb, reqs, accept=0.7, slow=1.0 + (i % 3))
+
+
+def test_a_settled_class_seats_plain_requests_but_scouts():
+    """A class measured where no arm pays: new requests are seated plain, all but one in SCOUT."""
+    policy = Policy(_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
+    _run(policy, _requests(4), accept=0.0, rounds=3000)
+    assert policy.classes[0].level_rows >= SETTLE_ROWS
+    seated = [policy.admit(SamplingParams(), 4) for _ in range(4 * SCOUT)]
+    assert sum(seated) == 4
+    fresh = Policy(_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
+    assert all(fresh.admit(SamplingParams(), 4) for _ in range(SCOUT))  # nothing measured: all may draft
+
+
+# ---- the policy in the engine -------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
@@ -496,7 +429,6 @@ def test_auto_is_lossless(pair, batch):
     stats = out[0].stats
     assert len(stats.modes) == len(stats.draft_sizes) == len(stats.predicted_accepts) == stats.rounds
     assert set(stats.modes) <= {"ar", "chain", "tree"}
-    assert llm.engine.runner.cache.lengths.count(0) < batch + 1
 
 
 def test_auto_on_hybrid_target(tmp_path):
@@ -529,62 +461,27 @@ def test_ar_when_acceptance_collapses(tmp_path, monkeypatch):
     llm = LLM(str(target), str(drafter), device="cpu", max_model_len=128, max_batch=4, max_budget=32)
     runner = llm.engine.runner
     runner.policy.cost = _cost(2e-4, rows=4)
-    monkeypatch.setattr(CostModel, "refine", lambda *a, **k: None)
-    monkeypatch.setattr(Policy, "timed", lambda *a, **k: None)  # prices stay the synthetic model's
+    runner.policy.cost.frozen = True  # prices stay the synthetic model's
     calls: list[int] = []
     forward = runner.drafter.forward
     runner.drafter.forward = lambda noise, ctx: (calls.append(noise.shape[0]), forward(noise, ctx))[1]
     rounds: list[tuple[int, int, int]] = []  # (rows, speculating rows, drafter rows) per round
-    timing: list[bool] = []  # per round: AR steps played to time them (always learned from)
     step = runner.step
 
     def counted(reqs):
         before = len(calls)
         out = step(reqs)
         rounds.append((len(reqs), runner.last_plan.drafting, sum(calls[before:])))
-        timing.append(runner.last_plan.timed)
         return out
 
     runner.step = counted
-    learned: list[int] = []  # the policy rounds (their count as of each one) that were learned from
-    learn = runner.learn
-    runner.learn = lambda plan, *a: (learned.append(runner.policy.rounds), learn(plan, *a))[1]
     out = llm.generate(prompts, params)
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
     assert all(drafter_rows == drafting for _, drafting, drafter_rows in rounds)
-    # Every drafting round is learned from; of plain AR rounds, a sample and those played to time them.
-    assert len(learned) == len(set(learned))
-    plain = [i + 1 for i, (_, d, _) in enumerate(rounds) if not d]
-    assert {i for i, (_, d, _) in enumerate(rounds, 1) if d} <= set(learned)
-    assert set(learned) & set(plain) == {i for i in plain if i % AR_TIMED_EVERY == 0 or timing[i - 1]}
     late = rounds[len(rounds) // 3 :]
     assert sum(d for _, d, _ in late) <= 0.1 * sum(r for r, _, _ in late)
     modes = [m for o in out for m in o.stats.modes]
     assert modes.count("ar") / len(modes) > 0.8
-
-
-def test_a_few_speculative_rows_among_plain_ones_are_priced_as_drafting_alone():
-    """Rows that may draft (scouts) among plain rows: the round still verifies the window for
-    every row, so drafting pays only if those rows' tokens pay for it. With a drafter the target
-    always agrees with, drafting the whole batch of 16 beats AR steps (the chain, 1.4x on this
-    cost model); two drafting rows in it do not (at best 0.6x): the batch takes AR steps,
-    probing only now and then.
-    Priced as if every row drafted, it drafted in every round."""
-    policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
-    reqs = _requests(16)
-    for _ in range(40):  # every row may draft: drafting wins
-        plan = policy.plan(reqs)
-        _feed(policy, plan, reqs, accept=1.0)
-    assert plan.drafting == 16
-    for r in reqs[2:]:
-        r.speculative = False
-    drafted = []
-    for _ in range(200):
-        plan = policy.plan(reqs)
-        assert set(plan.draft_rows) <= {0, 1}
-        drafted.append(plan.drafting > 0)
-        _feed(policy, plan, reqs, accept=1.0)
-    assert sum(drafted[20:]) < 0.1 * 180
 
 
 def test_a_burst_is_admitted_at_the_batch_it_joins(tmp_path, monkeypatch):
@@ -609,23 +506,22 @@ def test_a_burst_is_admitted_at_the_batch_it_joins(tmp_path, monkeypatch):
 
 def test_settled_class_seats_requests_the_drafter_never_sees(tmp_path, monkeypatch):
     """Once a class is settled on AR steps (a drafter wrong by construction, a synthetic cost
-    model where drafting loses), new requests are seated plain: the drafter gets none of their
-    prompt or tokens and no round drafts them, their rows in the held-back ring stay empty, one
-    in SCOUT_EVERY still may draft, and every output equals AR's."""
-    from flashtree.engine.policy import SCOUT_EVERY
+    model where drafting loses, and here a few rows of evidence enough to settle), new requests
+    are seated plain: the drafter gets none of their prompt or tokens and no round drafts them,
+    their rows in the held-back ring stay empty, a scout still may draft, and every output equals AR's."""
+    import flashtree.engine.policy as policy_module
 
+    monkeypatch.setattr(policy_module, "SETTLE_ROWS", 4)
     target = make_target(tmp_path / "t", vocab=64, logit_scale=6.0)
     drafter = make_drafter(tmp_path / "d", target_layers=4, vocab=64, block_size=8, seed=7)
-    prompts = [[i, i + 1, i + 2] for i in range(1, 25)]
+    prompts = [[i, i + 1, i + 2] for i in range(1, 33)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ref = LLM(str(target), None, method="ar", device="cpu", max_model_len=96).generate(prompts, params)
     engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", max_model_len=96,
                                     max_batch=2, max_budget=32))
     runner = engine.runner
     runner.policy.cost = _cost(2e-3, rows=2)
-    monkeypatch.setattr(CostModel, "refine", lambda *a, **k: None)
-    monkeypatch.setattr(Policy, "timed", lambda *a, **k: None)
-    plain_slots: set[int] = set()
+    runner.policy.cost.frozen = True
     context_slots: list[int] = []
     add_context = runner.drafter.add_context
     runner.drafter.add_context = lambda ctx, f: (context_slots.extend(ctx.slots.tolist()), add_context(ctx, f))[1]
@@ -650,53 +546,7 @@ def test_settled_class_seats_requests_the_drafter_never_sees(tmp_path, monkeypat
     plain = [r for r in reqs if not r.speculative]
     assert len(plain) >= len(prompts) // 2  # most, once the class has settled
     assert all(set(r.stats.modes) == {"ar"} for r in plain)
-    late = reqs[len(reqs) - SCOUT_EVERY * 2:]
-    assert 1 <= sum(r.speculative for r in late) <= 3  # the scouts
-
-
-def test_scouts_are_fewer_the_further_ar_steps_lead(monkeypatch):
-    """Requests seated while their class is settled on AR steps: all draft below parity, one in
-    SCOUT_EVERY where AR steps lead by SETTLED_LEAD, one in SCOUT_EVERY x lead^2 where they lead
-    by more (drafting must gain that much to pay), and never fewer than one in SCOUT_MAX."""
-    from flashtree.engine.policy import SCOUT_EVERY, SCOUT_MAX
-
-    policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
-    params = SamplingParams(temperature=1.0)
-    for lead, every in ((0.9, 1), (1.0, SCOUT_EVERY), (2.0, 4 * SCOUT_EVERY), (50.0, SCOUT_MAX)):
-        monkeypatch.setattr(policy.selector, "lead", lambda *a, v=lead: v)
-        policy.scouting.clear()
-        seated = [policy.admit(params, 4) for _ in range(4 * every)]
-        assert sum(seated) == 4, lead
-        assert seated[every - 1] and not any(seated[: every - 1]), lead
-
-
-def test_scouts_are_fewer_in_proportion_in_batches_past_scout_rows(monkeypatch):
-    """A batch bigger than SCOUT_ROWS seats scouts in proportion fewer (about as many per round
-    as a batch of SCOUT_ROWS holds): a round parks every row's features if one row is a scout."""
-    from flashtree.engine.policy import SCOUT_EVERY, SCOUT_ROWS
-
-    policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
-    params = SamplingParams(temperature=1.0)
-    monkeypatch.setattr(policy.selector, "lead", lambda *a: 1.0)
-    for rows in (1, SCOUT_ROWS, 2 * SCOUT_ROWS, 16):
-        every = SCOUT_EVERY * max(1, rows // SCOUT_ROWS)
-        policy.scouting.clear()
-        seated = [policy.admit(params, rows) for _ in range(3 * every)]
-        assert sum(seated) == 3, rows
-        assert seated[every - 1] and not any(seated[: every - 1]), rows
-
-
-def test_a_seat_prices_ar_steps_without_the_drafter_context_they_would_park(monkeypatch):
-    """A request seated plain parks no drafter context, so Policy.admit weighs AR steps at
-    their bare price; the rounds' AR price (ar_price) carries the parking, for speculative rows."""
-    policy = Policy(_cost(2e-4), 16, 16, 64, 4096)
-    policy.held_cost = 1.0  # seconds per parked token: far dearer than any round
-    seen = []
-    monkeypatch.setattr(policy.selector, "lead", lambda cls, rows, seconds, ar: seen.append(ar) or 0.5)
-    policy.admit(SamplingParams(temperature=1.0), 4)
-    modelled, _ = policy._arm_table(4)
-    assert seen == [pytest.approx(policy.times.seconds(4, modelled)[AR_ARM])]
-    assert seen[0] < policy.ar_price(policy.times.seconds(4, modelled), 4)[AR_ARM] - 3.0
+    assert 1 <= sum(r.speculative for r in reqs[-2 * SCOUT:]) <= 4  # the scouts
 
 
 def test_plain_and_speculative_requests_share_prefixes_only_where_the_drafter_has_them(tmp_path, monkeypatch):
@@ -744,8 +594,6 @@ def test_plain_and_speculative_requests_share_prefixes_only_where_the_drafter_ha
 def test_deferred_context_equals_full_prefill(tmp_path):
     """A request alternating AR steps (its drafter context held back) and drafts ends with the same
     drafter cache as a single prefill of its whole text would give (float64)."""
-    from flashtree.engine.policy import fixed_plan
-
     target = make_target(tmp_path / "t", vocab=32, logit_scale=3.0)
     drafter = make_drafter(tmp_path / "d", target_layers=4, vocab=32, block_size=6)
     engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", dtype="float64",
@@ -796,7 +644,6 @@ def test_ar_rounds_under_auto_do_no_drafter_work(tmp_path):
     none of that one's held-back tokens. When that request then drafts, its output equals AR's
     and its drafter cache equals a full prefill of its text (float64)."""
     from flashtree.engine.draft_context import CAPACITY
-    from flashtree.engine.policy import fixed_plan
 
     target = make_target(tmp_path / "t", vocab=32, logit_scale=3.0)
     drafter = make_drafter(tmp_path / "d", target_layers=4, vocab=32, block_size=6)
@@ -892,8 +739,7 @@ def test_cost_cache_is_written_reused_and_invalidated(pair, tmp_path):
 
 def test_startup_times_only_the_work_it_names(pair, monkeypatch):
     """No timed function draws its own inputs: the chain build's timing once drew its random logits
-    inside the timed call, 10x the build on the demo pair, and every tree was floored at it (a
-    tree of 8 priced 3.9 ms for a 0.6 ms build at c = 4, a sixth of its round)."""
+    inside the timed call, 10x the build on the demo pair, and every tree was floored at it."""
     target, drafter = pair
     draws = {"timed": 0, "inside": False}
     randn = torch.randn

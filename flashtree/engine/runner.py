@@ -30,8 +30,7 @@ from flashtree.engine.draft_context import DeferredContext
 from flashtree.engine.graphs import RoundGraphs
 from flashtree.engine.logprobs import pack, unpack
 from flashtree.engine.mtp_draft import MTPDraft
-from flashtree.engine.policy import AR, Policy, RoundPlan, fixed_plan
-from flashtree.engine.selector import by_size
+from flashtree.engine.policy import AR, Policy, RoundPlan, by_size, fixed_plan
 from flashtree.engine.sequence import Request, TokenLogprob
 from flashtree.engine.shapes import batch_bucket, budget_bucket, key_bucket, prefill_chunks
 from flashtree.engine.staging import Staging
@@ -45,8 +44,7 @@ from flashtree.sampler import SamplingBatch, SamplingStage, pick, processed_logp
 from flashtree.sampling import SamplingParams
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
 from flashtree.tree.markov import build_markov_chain, build_markov_tree
-from flashtree.tree.mix import cat_rows, pad_spec, place_rows, root_only
-from flashtree.tree.value import SPINE, depth_mass, node_kinds, node_reach, path_reach, value_curve, walked_mass
+from flashtree.tree.mix import place_rows, root_only
 
 SAVE_AFTER = 256  # rounds of online refinement after which the cost cache is rewritten (once)
 # Plain AR rounds are timed for the policy one in this many. Between two forwards the host's
@@ -353,18 +351,16 @@ class ModelRunner:
             with self.clock.stage("draft"):
                 self.append_held(flush, staged)
             held = (time.perf_counter() - f0, sum(n * len(group) for n, group in flush.items()))
-        spec, values = self.draft(batch, roots, plan, staged)
+        spec = self.draft(batch, roots, plan, staged)
         with self.clock.stage("verify"):
             features = self.mtp is not None or (self.drafter is not None and (plan.drafting > 0 or any(parking)))
             ctx, out = self._verify(batch, spec, self.key_len(batch, spec.num_nodes), features)
             picks = pick(out.logits, sampling, ctx.positions + 1, spec.depth_bound + 1)
         with self.clock.stage("commit"):
             walk = accept_walk(spec, picks)
-            extras = self.round_extras(plan, values, walk, staged, out.logits, picks)
             codes = path_codes(spec, walk.path) if plan.measure else None
             scores = self.round_logprobs(out.logits, walk.path, walk.tokens, reqs, sampling)
-            counts, emitted, logprobs, host_extras, paths = self.read_round(walk.num_nodes, walk.tokens, reqs, extras,
-                                                                            scores, codes)
+            counts, emitted, logprobs, paths = self.read_round(walk.num_nodes, walk.tokens, reqs, scores, codes)
             counts, emitted, logprobs = counts[:real], emitted[:real], logprobs[:real]  # padding rows end here
             self.cache.commit(ctx, counts, walk.path, walk.num_nodes)
         if self.drafter is not None:
@@ -380,11 +376,9 @@ class ModelRunner:
             # throughput is tokens over wall time. A long gap is an idle engine, not work. Plain
             # AR rounds teach only their time, and a sample of them keeps it current.
             end = time.perf_counter()
-            if plan.drafting or held[1] or plan.timed or self.policy.rounds % AR_TIMED_EVERY == 0:
+            if plan.drafting or self.policy.rounds % AR_TIMED_EVERY == 0:
                 gap = t0 - self._last_end if self._last_end is not None else 0.0
-                room = [self.room(r) for r in reqs] if plan.drafting and plan.arm is not None else None
-                self.learn(plan, slots, counts, host_extras, end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0),
-                           held, room, paths)
+                self.learn(plan, slots, counts, end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0), held, paths)
             self._last_end = time.perf_counter()
         return emitted, dict(self.clock.seconds), logprobs
 
@@ -438,7 +432,7 @@ class ModelRunner:
         with self.clock.stage("commit"):
             out = captured.run_commit(picks)
             scores = self.round_logprobs(state["logits"], out["path"], out["tokens"], reqs, sampling)
-            counts, emitted, logprobs, _, _ = self.read_round(out["num_nodes"], out["tokens"], reqs, None, scores)
+            counts, emitted, logprobs, _ = self.read_round(out["num_nodes"], out["tokens"], reqs, scores)
             counts, emitted, logprobs = counts[:real], emitted[:real], logprobs[:real]
             self.cache.advance(batch, counts)
             if self.drafter is not None:
@@ -459,10 +453,9 @@ class ModelRunner:
         return fixed_plan(len(reqs), method, self.block_size, self.round_budget(len(reqs)))
 
     def stage(self, plan: RoundPlan, reqs: list[Request]) -> tuple[dict[str, Tensor], dict[int, list[int]]]:
-        """Upload the plan's index lists (and the drafting rows' calibration) in one copy."""
+        """Upload the plan's index lists in one copy."""
         slots = [r.slot for r in reqs]
         longs: dict[str, list[int]] = {}
-        floats = {}
         rows = plan.draft_rows
         if plan.drafting and rows != list(range(len(slots))):
             longs["draft_rows"] = rows
@@ -480,15 +473,7 @@ class ModelRunner:
                 longs["idle_slots"] = [slots[i] for i in idle]
                 starts = [self.cache.lengths[slots[i]] for i in idle]
                 longs["idle_ring"] = self.deferred.rows(longs["idle_slots"], starts)
-        if plan.learn and plan.drafting:
-            cols = self.policy.curve_columns(plan)
-            if cols:
-                longs["curve_cols"] = [int(b) - 1 for b in self.policy.grid[:cols]]
-            params = [reqs[i].params for i in rows]
-            longs["observe"] = [observation(p) for p in params]
-            if any(observation(p) == BY_TEMPERATURE for p in params):
-                floats["inv_temp"] = np.array([0.0 if p.greedy else 1.0 / p.temperature for p in params])
-        return self.staging.upload(longs, floats), flush
+        return self.staging.upload(longs), flush
 
     def append_held(self, flush: dict[int, list[int]], staged: dict[str, Tensor]) -> None:
         """Give the drafter the context it was spared while these slots did not draft."""
@@ -507,14 +492,13 @@ class ModelRunner:
         return SlotBatch(slots, [batch.start_list[i] for i in plan.draft_rows], staged["draft_slots"],
                          staged["draft_starts"])
 
-    def draft(self, batch: SlotBatch, roots: Tensor, plan: RoundPlan, staged: dict[str, Tensor]
-              ) -> tuple[TreeSpec, dict | None]:
+    def draft(self, batch: SlotBatch, roots: Tensor, plan: RoundPlan, staged: dict[str, Tensor]) -> TreeSpec:
         """The round's window: drafted rows from the drafter (only those), the rest a lone root."""
         if self.mtp is not None:
             with self.clock.stage("draft"):
-                return self.mtp.draft(batch, roots), None
+                return self.mtp.draft(batch, roots)
         if not plan.drafting:
-            return chain_spec(roots[:, None]), None
+            return chain_spec(roots[:, None])
         sub = self._draft_batch(batch, plan, staged)
         sub_roots = roots.index_select(0, staged["draft_rows"]) if "draft_rows" in staged else roots
         with self.clock.stage("draft"):
@@ -526,28 +510,15 @@ class ModelRunner:
                 torch.cuda.synchronize()
             self._draft_pass = time.perf_counter() - t0
         with self.clock.stage("tree"):
-            kt = plan.tree_rows
-            if kt == 0 and plan.window == self.block_size and not plan.learn and "draft_rows" not in staged:
-                # dflash: the chain fast path (the greedy path under the selector's draft)
-                return (build_markov_chain(roots, *markov) if markov else build_chain(roots, logits)), None
-            parts = []
-            if kt:
-                if markov:  # the exact top-budget tree under the selector's Markov draft
-                    tree = build_markov_tree(sub_roots[:kt], *(m[:kt] for m in markov), plan.budget)
-                else:
-                    tree = build_tree(sub_roots[:kt], logits[:kt], plan.budget)
-                parts.append(self.static_depth(tree, min(logits.shape[1], plan.budget)))
-            if sub.size > kt:
-                # Chain rows in a mixed round take the unary argmax chain (scored, so it mixes);
-                # still lossless, only the selector's rescoring is not applied to them.
-                parts.append(scored_chain(sub_roots[kt:], logits[kt:, : plan.chain]))
-            if len(parts) == 1 and "draft_rows" not in staged and not plan.learn:
-                return parts[0], None
-            part = cat_rows([pad_spec(p, plan.window) for p in parts])
-            values = self.node_values(part, logits, staged) if plan.learn else None
-            if "draft_rows" in staged:
-                return place_rows(root_only(roots, plan.window), staged["draft_rows"], part), values
-            return part, values
+            if plan.tree_rows:  # the exact top-budget tree (under the selector's Markov draft)
+                tree = build_markov_tree(sub_roots, *markov, plan.budget) if markov else \
+                    build_tree(sub_roots, logits, plan.budget)
+                part = self.static_depth(tree, min(logits.shape[1], plan.budget))
+            else:  # the chain: the greedy path (under the selector's draft)
+                part = build_markov_chain(sub_roots, *markov) if markov else build_chain(sub_roots, logits)
+            if "draft_rows" not in staged:
+                return part
+            return place_rows(root_only(roots, plan.window), staged["draft_rows"], part)
 
     def static_depth(self, spec: TreeSpec, bound: int) -> TreeSpec:
         """With static shapes, the tree's depth bound is the drafted one: a builder may stop early
@@ -557,76 +528,17 @@ class ModelRunner:
 
     # ---- what the policy learns from ------------------------------------------------------
 
-    def node_values(self, part: TreeSpec, logits: Tensor, staged: dict[str, Tensor]) -> dict:
-        """Per drafted row, raw (drafter's own) data for the policy: node kinds and reach, the
-        reach summed by depth and kind, the spine's reach per depth, and for tree rows, per grid
-        size b, the spine nodes and the branch reach of the top-b tree."""
-        kinds = node_kinds(part)
-        raw = node_reach(part)
-        lp = logits.float()
-        out = {"part": part, "kinds": kinds, "mass": depth_mass(part, kinds, raw, logits.shape[1]),
-               "spine": (lp.amax(-1) - torch.logsumexp(lp, -1)).cumsum(1).exp()}
-        if "curve_cols" in staged:
-            cols = staged["curve_cols"][None, :].expand(part.batch_size, -1)
-            spine = value_curve(part, ((kinds == SPINE) & (raw > 0)).float()).gather(1, cols)
-            branch = value_curve(part, torch.where(kinds == SPINE, 0.0, raw)).gather(1, cols)
-            out["tree"] = torch.cat([spine, branch], 1)
-        return out
-
-    def round_extras(self, plan: RoundPlan, values: dict | None, walk, staged: dict[str, Tensor], logits: Tensor,
-                     picks: Tensor) -> Tensor | None:
-        """[drafting, 2 * cols + 5 * depth] floats for the policy, read with the round: the tree data
-        at the grid columns, the spine reach per depth, and per depth and kind the nodes the
-        drafter expected the walk to accept and the nodes it did (see `observation`)."""
-        if values is None:
-            return None
-        part, kinds = values["part"], values["kinds"]
-        depth = values["mass"].shape[1]
-        if "draft_rows" in staged:
-            rows = staged["draft_rows"]
-            path, logits, picks = walk.path.index_select(0, rows), logits.index_select(0, rows), picks.index_select(0, rows)
-        else:
-            path = walk.path
-        R, N = part.tokens.shape
-        parent = part.parents.expand(R, N).clamp(min=0)
-        token = part.tokens.clamp(min=0)
-        edge = torch.where(picks.gather(1, parent) == part.tokens, 0.0, float("-inf"))  # greedy: the argmax or not
-        if "inv_temp" in staged:  # sampled rows: the chance the target samples the node's token
-            x = logits.float()
-            x = (x - x.amax(-1, keepdim=True)) * staged["inv_temp"].view(-1, 1, 1)
-            lp = x.flatten(1).gather(1, parent * x.shape[-1] + token) - torch.logsumexp(x, -1).gather(1, parent)
-            edge = torch.where(staged["observe"][:, None] == BY_TEMPERATURE, lp, edge)
-        drafted = (part.tokens >= 0) & (torch.arange(N, device=edge.device) > 0)
-        reach = torch.where(drafted, path_reach(part, edge).exp(), 0.0)
-        expected = depth_mass(part, kinds, reach, depth)
-        walked = walked_mass(part, kinds, path, depth)
-        obs = torch.where((staged["observe"] == BY_WALK).view(-1, 1, 1), walked, expected)
-        parts = [values["tree"]] if "tree" in values else []
-        parts += [values["spine"], values["mass"].flatten(1), obs.flatten(1)]
-        return torch.cat(parts, 1)
-
-    def room(self, req: Request) -> int:
-        """Tokens the request may still emit (before this round's): its max_tokens, or what the
-        model length leaves, less its output so far."""
-        return min(req.params.max_tokens, self.config.max_model_len - len(req.prompt_ids)) - len(req.output_ids)
-
-    def learn(self, plan: RoundPlan, slots: list[int], counts: list[int], extras, seconds: float,
-              held: tuple[float, int] = (0.0, 0), room: list[int] | None = None,
-              paths: list[list[int]] | None = None) -> None:
-        """Fold in a round. held: the seconds and tokens of held-back context it appended, a
-        cost of the AR steps that parked them, not of this round's arm (Policy.timed). room: per
-        row, the tokens its request could still emit (the selector counts what is kept). paths:
-        per row, its accepted path's codes (path_codes), from which a tree round measures every
-        smaller tree."""
-        measured = None
-        if plan.measure:
-            sizes = self.policy.sizes[: plan.measure]
-            measured = [by_size(paths[i], sizes) for i in plan.draft_rows]
-        self.policy.observe(plan, slots, extras, [c - 1 for c in counts], room, measured)
-        self.policy.timed(plan, len(slots), seconds, held)
+    def learn(self, plan: RoundPlan, slots: list[int], counts: list[int], seconds: float,
+              held: tuple[float, int] = (0.0, 0), paths: list[list[int]] | None = None) -> None:
+        """Fold in a round: its accepted tokens (per tree size, from a tree round's path codes) and
+        its seconds, less those of appending held-back drafter context (held: seconds, tokens),
+        which the AR steps that parked it cost, not this round's arm."""
+        measured = [by_size(paths[i], self.policy.sizes[: plan.measure]) for i in plan.draft_rows] \
+            if plan.measure else None
         seconds -= held[0]
+        self.policy.observe(plan, slots, [c - 1 for c in counts], measured, seconds)
         if self.policy.rounds % (DRAFT_REFINE_EVERY if plan.drafting else AR_REFINE_EVERY):
-            return  # a sample of the rounds keeps the model current (timed arms are priced as timed)
+            return  # a sample of the rounds keeps the model current
         s = self.clock.seconds
         stages = {"verify": s.get("verify", 0.0), "draft_pass": self._draft_pass, "tree": s.get("tree", 0.0)}
         cost = self.policy.cost
@@ -645,28 +557,22 @@ class ModelRunner:
         k = max(r.params.logprobs or 0 for r in keep)
         return pack(processed_logprobs(gather_nodes(logits, path), sampling), tokens, k).flatten(1)
 
-    def read_round(self, num_nodes: Tensor, tokens: Tensor, reqs: list[Request], extras: Tensor | None = None,
-                   scores: Tensor | None = None, codes: Tensor | None = None
-                   ) -> tuple[list[int], list[list[int]], list[list[TokenLogprob] | None], np.ndarray | None,
-                              list[list[int]] | None]:
+    def read_round(self, num_nodes: Tensor, tokens: Tensor, reqs: list[Request], scores: Tensor | None = None,
+                   codes: Tensor | None = None
+                   ) -> tuple[list[int], list[list[int]], list[list[TokenLogprob] | None], list[list[int]] | None]:
         """The round's one device-to-host read: accepted counts and tokens (and the accepted
-        path's codes for the selector), and riding along in float64 (which holds every token id
-        exactly) the policy's floats and the logprobs."""
+        path's codes for the policy), and riding along in float64 (which holds every token id
+        exactly) the logprobs."""
         A = tokens.shape[1]
         packed = torch.cat([num_nodes[:, None], tokens] + ([codes] if codes is not None else []), dim=1)
-        R, w = packed.shape
-        if extras is None and scores is None:
+        w = packed.shape[1]
+        if scores is None:
             host = packed.tolist()
             rest = [[] for _ in host]
-            more = None
         else:
-            parts = [packed.double() if scores is None else torch.cat([packed.double(), scores.double()], 1)]
-            flat = torch.cat([parts[0].flatten()] + ([extras.flatten().double()] if extras is not None else [])).tolist()
-            width = parts[0].shape[1]
-            rows = [flat[r * width : (r + 1) * width] for r in range(R)]
+            rows = torch.cat([packed.double(), scores.double()], 1).tolist()
             host = [[int(x) for x in row[:w]] for row in rows]
             rest = [row[w:] for row in rows]
-            more = np.array(flat[R * width :]).reshape(tuple(extras.shape)) if extras is not None else None
         counts = [row[0] for row in host]
         emitted = [row[1 : 1 + row[0]] for row in host]
         paths = [row[1 + A :] for row in host] if codes is not None else None
@@ -675,7 +581,7 @@ class ModelRunner:
             width = (scores.shape[1] // tokens.shape[1] - 1) // 2
             logprobs = [unpack(row, toks, r.params.logprobs or 0, width) if r.logprobs is not None else None
                         for r, row, toks in zip(reqs, rest, emitted)]
-        return counts, emitted, logprobs, more, paths
+        return counts, emitted, logprobs, paths
 
     def extend_context(self, plan: RoundPlan, staged: dict[str, Tensor], batch: SlotBatch, features: Tensor,
                        walk, counts: list[int], slots: list[int], ring_rows: Tensor | None = None) -> None:
@@ -700,29 +606,6 @@ class ModelRunner:
                 self.deferred.park([s for s in slots if not self.plain[s]], ring_rows, features[:, 0])
 
 
-BY_ARGMAX, BY_TEMPERATURE, BY_WALK = 0, 1, 2
-
-
-def observation(params) -> int:
-    """How a drafted row's accepted nodes are counted for calibration: greedy rows and
-    temperature-only rows by each node's exact chance of acceptance given the target's logits
-    (the argmax matches, or the sampled token's probability, multiplied down the path: the
-    expectation of what the walk accepts, without the walk's noise); top-k/top-p rows by the
-    walk's own outcome."""
-    if params.greedy:
-        return BY_ARGMAX
-    return BY_TEMPERATURE if params.top_k <= 0 and params.top_p >= 1.0 else BY_WALK
-
-
-def scored_chain(roots: Tensor, logits: Tensor) -> TreeSpec:
-    """build_chain with prefix scores (the summed top-1 log-probs), so it mixes with trees."""
-    spec = build_chain(roots, logits)
-    lp = logits.float()
-    top = (lp.amax(-1) - torch.logsumexp(lp, -1)).cumsum(1)
-    spec.scores = torch.cat([torch.zeros_like(top[:, :1]), top], 1)
-    return spec
-
-
 def selector_on(drafter: DFlashDrafter | None, wanted: bool | None) -> bool:
     """Draft with the candidate selector (a Markov draft) when the drafter has one, unless turned off."""
     has = isinstance(drafter, DFlash2Drafter)
@@ -744,7 +627,7 @@ def path_codes(spec: TreeSpec, path: Tensor) -> Tensor:
     order, + 2 where it has a child in the tree, + 1 where it is its parent's best child; -1 past
     the path. Read with the round, they give on the host what every smaller tree and the chain
     of best children would have accepted, or that the chain's walk ran past the tree's spine
-    (selector.by_size): a scatter and two gathers, where the same on the device took a sort and
+    (policy.by_size): a scatter and two gathers, where the same on the device took a sort and
     a dozen scatters, about 0.15 ms of a 16 ms round on the demo pair at c = 4."""
     R, N = spec.tokens.shape
     real = (spec.tokens >= 0) & (torch.arange(N, device=path.device) > 0)

@@ -1,33 +1,14 @@
-"""One verify window from rows drafted differently: trees, chains and lone roots (plain AR steps).
+"""One verify window from drafted rows and lone roots (plain AR steps).
 
-The speculation policy decides per request whether to draft, and how, so a round's rows come
-from different builders. These helpers widen each part to a common node count with the padding
-every builder uses (token -1, parent 0, depth 1, score -inf) and put the drafted rows back at
-their batch rows, on the device and without a host read.
+The speculation policy decides per request whether to draft, so a round's window holds drafted
+rows among rows that verify their root alone. These helpers build the lone roots with the padding
+every builder uses (token -1, parent 0, depth 1, score -inf) and put the drafted rows back at their
+batch rows, on the device and without a host read.
 """
 import torch
 from torch import Tensor
 
 from flashtree.tree.spec import TreeSpec
-
-
-def pad_spec(spec: TreeSpec, n: int) -> TreeSpec:
-    """The same trees with n nodes per row (n >= spec.num_nodes); the new nodes are padding."""
-    R, N = spec.tokens.shape
-    if spec.scores is None:
-        raise ValueError("pad_spec needs node scores (build_tree sets them; give a chain its prefix scores)")
-    if n == N:
-        return spec
-    scores = spec.scores
-    extra = n - N
-
-    def widen(x: Tensor, fill) -> Tensor:
-        return torch.cat([x.expand(R, N), x.new_full((R, extra), fill)], 1)
-
-    ranked = spec.ranks is not None
-    return TreeSpec(widen(spec.tokens, -1), widen(spec.parents, 0), widen(spec.depths, 1), spec.sizes,
-                    is_chain=False, max_depth=max(spec.depth_bound, 1), scores=widen(scores, float("-inf")),
-                    ranks=widen(spec.ranks, n) if ranked else None, first=widen(spec.first, False) if ranked else None)
 
 
 def root_only(roots: Tensor, n: int) -> TreeSpec:
@@ -42,31 +23,14 @@ def root_only(roots: Tensor, n: int) -> TreeSpec:
                     first=(idx == 0).expand(R, n))
 
 
-def cat_rows(parts: list[TreeSpec]) -> TreeSpec:
-    """Stack parts with one node count (pad them first) into one batch, in order. Node ranks are
-    kept only where every part has them."""
-    if len(parts) == 1:
-        return parts[0]
-    ranked = all(p.ranks is not None for p in parts)
-    return TreeSpec(
-        tokens=torch.cat([p.tokens for p in parts]),
-        parents=torch.cat([p.parents.expand_as(p.tokens) for p in parts]),
-        depths=torch.cat([p.depths.expand_as(p.tokens) for p in parts]),
-        sizes=torch.cat([p.sizes for p in parts]),
-        is_chain=False,
-        max_depth=max(p.depth_bound for p in parts),
-        scores=torch.cat([p.scores for p in parts]),
-        ranks=torch.cat([p.ranks.expand_as(p.tokens) for p in parts]) if ranked else None,
-        first=torch.cat([p.first.expand_as(p.tokens) for p in parts]) if ranked else None,
-    )
-
-
 def place_rows(base: TreeSpec, rows: Tensor, part: TreeSpec) -> TreeSpec:
-    """base with its rows `rows` [k] (device indices) replaced by part's k rows (same node count)."""
+    """base with its rows `rows` [k] (device indices) replaced by part's k rows (same node count);
+    scores and ranks are kept where both have them."""
     def put(x: Tensor, y: Tensor) -> Tensor:
         return x.contiguous().index_copy(0, rows, y.expand_as(y).contiguous())
 
     ranked = base.ranks is not None and part.ranks is not None
+    scored = base.scores is not None and part.scores is not None
     return TreeSpec(
         tokens=put(base.tokens, part.tokens),
         parents=put(base.parents, part.parents.expand_as(part.tokens)),
@@ -74,7 +38,7 @@ def place_rows(base: TreeSpec, rows: Tensor, part: TreeSpec) -> TreeSpec:
         sizes=put(base.sizes, part.sizes),
         is_chain=False,
         max_depth=max(base.depth_bound, part.depth_bound),
-        scores=put(base.scores, part.scores),
+        scores=put(base.scores, part.scores) if scored else None,
         ranks=put(base.ranks.expand_as(base.tokens), part.ranks) if ranked else None,
         first=put(base.first.expand_as(base.tokens), part.first) if ranked else None,
     )
