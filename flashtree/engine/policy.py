@@ -1,28 +1,18 @@
-"""The speculation policy (budget="auto"): each round, plain AR steps, the chain, or a tree of b
-nodes, whichever measured acceptance and measured round costs predict gives the most tokens a second:
+"""The speculation policy (budget="auto"): each round, per row, plain AR steps, the chain, or a
+tree of b nodes, whichever measured acceptance and measured round costs predict gives the most
+tokens a second: rate = (R + sum over drafting rows of E_row(arm)) / seconds(R, arm, rows).
 
-    rate(arm) = (R + sum over drafting rows r of E_r(arm)) / seconds(R, arm, drafting rows)
+E is measured, not forecast: a verified tree tells exactly what every smaller top-b tree would
+have accepted (`by_size`), and the chain's run along its spine. Acceptance comes in streaks, so
+an estimate is paired: shape(arm) x (level + P), the shape per sampling class, the level the
+request's own recent base (its accepted run over the first BASE spine nodes). seconds() is the
+cost model's table times a factor per arm that timed rounds keep current. Rows join the drafting
+set in order of gain while each pays its share (a batch verifies one window for all its rows).
 
-E_r is measured, not forecast. A verified tree of B nodes tells exactly what every top-b tree with
-b <= B would have accepted (ranks grow along a path: `by_size`), so one round measures many arms;
-the chain is measured in its own rounds and along every tree's spine, as survival by depth (where
-the spine ends first, the chain's run is censored). Acceptance comes in streaks, and big trees tend to be played
-when it runs high, so an arm's estimate is paired: shape(arm) x (level + P). The shape is a slow
-average, per sampling class, of the arm's accepted tokens over one of (P + a base every drafting
-round measures alike: the accepted path's first BASE spine nodes) on the same rows; the level is
-the request's own recent base. seconds() is the cost model's measured table times a factor per arm
-that timed rounds keep current.
-
-One planner serves uniform and mixed batches: every row has its class's shapes and its own level,
-and rows join the drafting set in order of gain while each pays for its share of the drafter pass
-(a batch verifies one window: rows left out still pay for it).
-
-Safe starts: a class with nothing measured plays the chain (which measures) when the cost model
-says the chain pays with half its depth accepted (the priors), else AR steps. Exploration (an arm
-measured in few rows, or not for a few hundred rounds) is paid from a credit of EXPLORE of the
-time drafting has saved over AR steps plus PROBE of all time, so a workload where drafting never
-pays loses at most about PROBE. The same credit pays for probing each request on AR steps once
-with the chain, after its first PROBE_TOKENS tokens: under AR steps nothing else measures it.
+A class with nothing measured plays the chain if the cost model says it pays with half its depth
+kept, else AR steps. Exploration (an arm measured in few rows, or not lately) and one probe of
+each request on AR steps are paid from a credit of EXPLORE of the time drafting saved plus PROBE
+of all time, so where drafting never pays they cost about PROBE. docs/performance.md says why.
 """
 
 from __future__ import annotations
@@ -121,15 +111,10 @@ def by_size(codes: list[int], sizes: list[int]) -> tuple[list[int], int, bool]:
 
 
 class ClassStats:
-    """Measured acceptance of one sampling class: the level of the base, every tree's shape, and
-    the chain's survival by depth. Each starts from a prior worth PRIOR_ROWS rows (the base at
-    half its depth, the chain keeping about half its own), so one unlucky first round does not
-    rule drafting out. A tree's shape is a ratio of averages, accepted over base + P on the same
-    rows (an average of per-round ratios ran 30% low where rounds keep all or little). The chain
-    is read from every drafting round: its own rounds show where it stopped, a tree round shows
-    its spine up to where the walk left it, or up to the spine's end (censored there). So the
-    chain is measured on the same requests as the trees: from its own rounds alone, which were
-    the first requests', it came out a third low at T = 0, and trees won that the chain beat."""
+    """Measured acceptance of one sampling class: the level of the base, every tree's shape (a
+    ratio of averages, accepted over base + P on the same rows), and the chain's survival by
+    depth, read from its own rounds and, censored where the spine ends, from every tree's spine.
+    Priors worth PRIOR_ROWS rows keep one unlucky first round from ruling drafting out."""
 
     def __init__(self, arms: int, depth: int) -> None:
         self.level, self.level_rows = BASE / 2, 0.0
@@ -269,9 +254,7 @@ class Policy:
         self.rounds += 1
         ids = [r.request_id for r in reqs]
         if self.hold[1] > 0 and self.hold[0] == ids:
-            # Held rounds are timed too: AR's factor is the one every drafting arm is judged
-            # against, and from the first round of each hold alone it stayed 1.5x off for
-            # hundreds of rounds (a cost table measured on a busy box), drafting at T = 0.7.
+            # Held rounds are timed too: every drafting arm is judged against AR's factor.
             self.hold = (ids, self.hold[1] - 1)
             return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=float(self._tables[R][1]) * self.factor[-1])
         for r in reqs:
@@ -298,9 +281,8 @@ class Policy:
         elif rate <= ar_rate:
             probe = self._probe(reqs, rows, classes, gains, table, R, ar_rate)
             if probe is None:
-                # Under AR steps nothing is measured, so the plan can change only when the batch
-                # does, the credit covers an exploration or a probe falls due: held until then
-                # (re-planned every other round at T = 0.7, the plan was 5% of an AR step).
+                # Nothing is measured under AR steps: the plan holds until the batch changes,
+                # the credit covers an exploration or a probe falls due.
                 due = [PROBE_TOKENS - 1 - len(reqs[i].output_ids) for i in rows if not self.measured[reqs[i].slot]]
                 self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])))
                 return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds)
@@ -320,9 +302,8 @@ class Policy:
     def _probe(self, reqs: list[Request], rows: list[int], classes: list[int], gains: np.ndarray, table: np.ndarray,
                R: int, ar_rate: float) -> list[int] | None:
         """Rows whose requests were never measured, past their first PROBE_TOKENS tokens: the
-        chain drafts for them once, paid from credit like an exploration. A class on AR steps
-        measures nothing, and its shapes say little of a new request: at T = 0 two prompts kept
-        2 tokens a round and the next ones 7-12, and the class stayed on AR steps for all."""
+        chain drafts for them once, paid from credit, since under AR steps nothing measures them
+        and a class's numbers say little of a new request."""
         fresh = [j for j, i in enumerate(rows)
                  if not self.measured[reqs[i].slot] and len(reqs[i].output_ids) >= PROBE_TOKENS]
         if not fresh or not np.isfinite(table[self.chain_arm, len(fresh)]):
@@ -342,12 +323,9 @@ class Policy:
 
     def _explore(self, classes: set[int], gains: np.ndarray, known: np.ndarray, table: np.ndarray, R: int,
                  best_rate: float) -> tuple[int | None, float]:
-        """The largest thin tree (measured in fewer than KNOWN rows), else the chain if it is
-        thin, played for every drafting row once the classes' credit covers what it is predicted
-        to lose against the best rate; and the credit still short of that (inf: nothing thin).
-        Only the largest: it measures every smaller tree, and small trees played while credit was
-        short measured nothing else (at T = 0, batch 1, a sixth of the exploration rounds went to
-        trees of 2 and 3 nodes)."""
+        """The largest thin tree (measured in fewer than KNOWN rows; it measures every smaller
+        one), else the chain if it is thin, played for every drafting row once the classes' credit
+        covers what it is predicted to lose against the best rate; and the credit still short."""
         k = gains.shape[0]
         thin = np.flatnonzero((known < KNOWN).any(0) & np.isfinite(table[:, k]))
         if not len(thin):
@@ -406,11 +384,9 @@ class Policy:
 
     def admit(self, params: SamplingParams, rows: int) -> bool:
         """May a request being seated ever draft? Not when its class has been measured and no
-        arm would pay in the batch it joins even for a request at its top level (its drafter then
-        never sees it, and it costs what an `ar` request does), but for one scout in SCOUT, whose
-        exploration rounds keep the class measured. "Top" is the best own level of its last
-        RECENT requests: judged at the class's level, greedy requests after two that kept little
-        were seated plain, though the next ones kept 7-12 a round."""
+        arm would pay in the batch it joins even at the best own level of the class's last RECENT
+        requests (its drafter then never sees it, and it costs what an `ar` request does), but
+        for one scout in SCOUT, whose rounds keep the class measured."""
         cls = sampling_class(params)
         st = self._stats(cls)
         if st.level_rows < SETTLE_ROWS:
