@@ -32,9 +32,10 @@ MODE_NAMES = ("ar", "chain", "tree")
 BASE, P = 3, 0.5  # the paired base (spine nodes), and the tokens added to both sides of a shape
 LEVEL_RATE, REQUEST_RATE, SHAPE_RATE = 0.05, 0.3, 0.02  # EMA weights: per class row, per request round, per row
 OWN_ROUNDS = 2  # a request's own level counts n / (n + OWN_ROUNDS) against its class's after n rounds
+OWN_HALF_LIFE = 16  # tokens after which a request's rounds count half toward its own level
 KNOWN = 8  # rows measured before an arm's shape is trusted without exploring it
 STALE = 300  # rounds of its class after which an arm not measured since is explored again, once
-PRIOR_ROWS = 8  # the weight, in rows, of the level's and the chain's priors
+PRIOR_ROUNDS = 8  # the weight, in rounds, of the level's and the chain's priors
 SETTLE_ROWS = 64  # rows measured before a class whose drafts do not pay seats requests plain
 EXPLORE, PROBE = 0.05, 0.02  # exploration credit: of the time drafting saved, and of all round time
 FACTOR_RATE = 0.1  # EMA weight of a timed round in its arm's cost factor
@@ -114,13 +115,15 @@ class ClassStats:
     """Measured acceptance of one sampling class: the level of the base, every tree's shape (a
     ratio of averages, accepted over base + P on the same rows), and the chain's survival by
     depth, read from its own rounds and, censored where the spine ends, from every tree's spine.
-    Priors worth PRIOR_ROWS rows keep one unlucky first round from ruling drafting out."""
+    Priors worth PRIOR_ROUNDS rounds keep one unlucky first round from ruling drafting out. A
+    round's rows weigh 1/rows each: they are alike (a batch that fills at once is all first
+    rounds, which keep little), so eight of them are one piece of evidence, not eight."""
 
     def __init__(self, arms: int, depth: int) -> None:
-        self.level, self.level_rows = BASE / 2, 0.0
+        self.level, self.level_rows, self.level_weight = BASE / 2, 0.0, 0.0
         self.kept = np.zeros(arms)  # per tree: average accepted drafted tokens ...
         self.paired = np.zeros(arms)  # ... and average base + P on the same rows
-        self.reached = np.full(depth, float(PRIOR_ROWS))  # the chain: rows that reached each depth ...
+        self.reached = np.full(depth, float(PRIOR_ROUNDS))  # the chain: rows that reached each depth ...
         self.stopped = self.reached / (depth / 2 + 1)  # ... and stopped there (prior: ~half kept)
         self.shape = np.full(arms, np.nan)  # per arm, accepted / (base + P)
         self.rows = np.zeros(arms)  # rows each arm's shape rests on (the prior not counted)
@@ -139,22 +142,25 @@ class ClassStats:
         self.rows[arm] += 1
         self.seen[arm] = self.round
 
-    def chain_run(self, run: int, censored: bool) -> None:
+    def chain_run(self, run: int, censored: bool, weight: float = 1.0) -> None:
         """The chain kept `run` drafted tokens, and stopped at the next one unless censored."""
         run = int(run)
-        self.reached *= 1 - SHAPE_RATE
-        self.stopped *= 1 - SHAPE_RATE
-        self.reached[: run + (not censored)] += 1
+        decay = (1 - SHAPE_RATE) ** weight
+        self.reached *= decay
+        self.stopped *= decay
+        self.reached[: run + (not censored)] += weight
         if not censored and run < len(self.stopped):
-            self.stopped[run] += 1
+            self.stopped[run] += weight
         self.rows[-1] += 1
         self.seen[-1] = self.round
 
     def _chain_shape(self) -> None:
         self.shape[-1] = np.cumprod(1 - self.stopped / self.reached).sum() / (self.level + P)
 
-    def leveled(self, base: float) -> None:
-        self.level += max(LEVEL_RATE, 1.0 / (1.0 + PRIOR_ROWS + self.level_rows)) * (base - self.level)
+    def leveled(self, base: float, weight: float = 1.0) -> None:
+        self.level_weight += weight
+        rate = max(1 - (1 - LEVEL_RATE) ** weight, weight / (PRIOR_ROUNDS + self.level_weight))
+        self.level += rate * (base - self.level)
         self.level_rows += 1
         self._chain_shape()
 
@@ -175,6 +181,8 @@ class Policy:
         self.cls = [0] * slots
         self.level = np.zeros(slots)  # each request's own recent base ...
         self.measured = np.zeros(slots)  # ... and the rounds it rests on
+        self.tokens = np.zeros(slots)  # each request's output tokens when last planned ...
+        self.at = np.zeros(slots)  # ... and when last measured
         self.factor = np.ones(len(self.grid) + 2)  # timed / modelled seconds per arm; the last is AR's
         self.rounds = 0
         self.hold: tuple[list[str], int] = ([], 0)  # AR steps decided ahead: for this batch, this many rounds
@@ -228,7 +236,7 @@ class Policy:
                 recent = self._stats(self.cls[s]).recent
                 recent[:] = [*recent[1 - RECENT:], float(self.level[s])]
             self.owner[s], self.cls[s] = req.request_id, sampling_class(req.params)
-            self.level[s], self.measured[s] = self._stats(self.cls[s]).level, 0.0
+            self.level[s], self.measured[s], self.at[s] = self._stats(self.cls[s]).level, 0.0, 0.0
 
     def expected(self, classes: list[int], levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[rows, arms]: the drafted tokens each row (its class, its level) is expected to keep,
@@ -268,7 +276,11 @@ class Policy:
         classes = [self.cls[s] for s in slots]
         # A request's own level is noisy after a few rounds: taken at face value, the rows that
         # were lucky would be the ones chosen to draft. It is shrunk toward its class's.
-        own = self.measured[slots] / (self.measured[slots] + OWN_ROUNDS)
+        # What it kept long ago yields to its class's (its first rounds, say, where the text
+        # after a prompt is hard to guess): under AR steps nothing else would ever measure it again.
+        self.tokens[slots] = [len(reqs[i].output_ids) for i in rows]
+        rounds = self.measured[slots] * 0.5 ** ((self.tokens[slots] - self.at[slots]) / OWN_HALF_LIFE)
+        own = rounds / (rounds + OWN_ROUNDS)
         levels = own * self.level[slots] + (1 - own) * np.array([self._stats(c).level for c in classes])
         gains, known = self.expected(classes, levels)  # [k, arms]
         room = [reqs[i].params.max_tokens - len(reqs[i].output_ids) - 1 for i in rows]  # drafted tokens it may keep
@@ -284,6 +296,8 @@ class Policy:
                 # Nothing is measured under AR steps: the plan holds until the batch changes,
                 # the credit covers an exploration or a probe falls due.
                 due = [PROBE_TOKENS - 1 - len(reqs[i].output_ids) for i in rows if not self.measured[reqs[i].slot]]
+                if self.measured[slots].any():
+                    due.append(OWN_HALF_LIFE)  # an own level yields to the class's
                 self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])))
                 return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds)
             arm, explored = self.chain_arm, True
@@ -352,6 +366,7 @@ class Policy:
             # An exploration pays what it lost against AR steps, as it ran (a thin arm's cost is
             # the least known part of its prediction).
             credit = PROBE * seconds + (min(0.0, saved) if plan.explored else EXPLORE * max(0.0, saved))
+            weight = 1.0 / len(plan.draft_rows)
             for n, i in enumerate(plan.draft_rows):
                 s = slots[i]
                 st = self._stats(self.cls[s])
@@ -360,13 +375,14 @@ class Policy:
                     base = min(run, BASE)
                     for arm, got in enumerate(counts):
                         st.measured(arm, got, base)
-                    st.chain_run(run, censored and run < self.depth)
+                    st.chain_run(run, censored and run < self.depth, weight)
                 else:
                     base = min(accepted[i], BASE)
-                    st.chain_run(accepted[i], False)
-                st.leveled(base)
+                    st.chain_run(accepted[i], False, weight)
+                st.leveled(base, weight)
                 self.level[s] += max(REQUEST_RATE, 1.0 / (1.0 + self.measured[s])) * (base - self.level[s])
                 self.measured[s] += 1
+                self.at[s] = self.tokens[s]
         for c in {self.cls[s] for s in slots}:
             st = self._stats(c)
             st.credit += credit
