@@ -6,7 +6,8 @@ The speculation policy prices every plan with four tables:
   draft(rows, depth)       one drafter pass over `rows` blocks plus the LM head on `depth` positions;
   tree(rows, budget)       building `rows` top-budget trees;
   overhead(rows, drafting) the rest of a round: walk, the one read, commits, the drafter's context.
-Each is a grid over bucket points, interpolated linearly and extrapolated along its last slope.
+The tables hold rows CONTEXT keys deep; longer contexts add `keys` seconds per row and key (plus
+per row, node and key in the verify), since attention reads every committed key. Each is a grid over bucket points, interpolated linearly and extrapolated along its last slope.
 Startup times the points that matter most within a time budget and derives the rest: a dense
 forward costs mostly by the tokens it processes, so verify(R, N) ~ verify(1, R*N) + [verify(R, 1) -
 verify(1, R)], corrected by what was measured at the largest batch. Each round the runner times
@@ -22,14 +23,14 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
 from flashtree.models.context import ForwardContext, SlotBatch
-from flashtree.tree import build_chain, build_tree
 
-FORMAT = 2  # bump when the tables change meaning: older cache files are then re-measured
+FORMAT = 3  # bump when the tables change meaning: older cache files are then re-measured
 WINDOWS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025)
 TREE_BUDGETS = (4, 16, 64, 256, 1024)
 DEFAULT_SECONDS = 1.8  # startup measurement time budget
@@ -123,8 +124,10 @@ class CostModel:
     """The four tables, the round-time prediction for a plan, and online refinement."""
 
     def __init__(self, verify: Grid, draft: Grid, tree: Grid, overhead: Grid, coverage: dict,
-                 source: str = "measured", seconds: float = 0.0) -> None:
+                 source: str = "measured", seconds: float = 0.0, keys: tuple[float, float, float] = (0.0, 0.0, 0.0)
+                 ) -> None:
         self.verify, self.draft, self.tree, self.overhead = verify, draft, tree, overhead
+        self.keys = keys  # seconds per key past CONTEXT: per verify row, per verify node, per drafting row
         self.coverage = coverage  # the largest rows / window / budget measured
         self.source = source  # "measured" at this start, or "cache"
         self.seconds = seconds  # the startup measurement's wall time (0 from the cache)
@@ -135,32 +138,41 @@ class CostModel:
     # ---- prediction ------------------------------------------------------------------------
 
     def round_seconds(self, rows: int, window: int, drafting: int, depth: int, tree_rows: int,
-                      budget: int) -> float:
+                      budget: int, keys: int = CONTEXT) -> float:
         t = float(self.verify(rows, window)) + float(self.overhead(rows, 1 if drafting else 0))
         if drafting:
             t += float(self.draft(drafting, depth))
             if tree_rows:
                 t += float(self.tree(tree_rows, budget))
-        return t * self.scale
+        verify, draft = self.deeper(rows, window, drafting, keys)
+        return max(t + verify + draft, 0.5 * t) * self.scale
+
+    def deeper(self, rows, window, drafting, keys: int) -> tuple:
+        """What `keys` committed keys per row add to the verify and to the drafter pass over the
+        tables' CONTEXT (negative below it); numpy arrays broadcast."""
+        per_row, per_node, per_draft = self.keys
+        extra = keys - CONTEXT
+        return (per_row + per_node * window) * rows * extra, per_draft * drafting * extra
 
     # ---- online refinement -----------------------------------------------------------------
 
     def refine(self, rows: int, window: int, drafting: int, depth: int, tree_rows: int, budget: int,
-               stages: dict[str, float] | None, total: float, rate: float = 0.1) -> None:
+               stages: dict[str, float] | None, total: float, rate: float = 0.1, keys: int = CONTEXT) -> None:
         """Fold in one timed round. `stages` (verify, draft_pass, tree seconds) when the device was
         synchronised between stages; otherwise only the round's total moves a global scale."""
         if self.frozen:
             return
         self.refined += 1
         if stages is None:
-            predicted = self.round_seconds(rows, window, drafting, depth, tree_rows, budget) / self.scale
+            predicted = self.round_seconds(rows, window, drafting, depth, tree_rows, budget, keys) / self.scale
             if predicted > 0:
                 self.scale += rate * (min(max(total / predicted, 0.5), 2.0) - self.scale)
             return
-        self.verify.nudge(rows, window, stages["verify"], rate)
+        verify, draft = self.deeper(rows, window, drafting, keys)  # the tables hold CONTEXT keys
+        self.verify.nudge(rows, window, stages["verify"] - verify, rate)
         modeled = stages["verify"]
         if drafting:
-            self.draft.nudge(drafting, depth, stages["draft_pass"], rate)
+            self.draft.nudge(drafting, depth, stages["draft_pass"] - draft, rate)
             modeled += stages["draft_pass"]
             if tree_rows:
                 self.tree.nudge(tree_rows, budget, stages["tree"], rate)
@@ -171,12 +183,13 @@ class CostModel:
 
     def as_dict(self) -> dict:
         return {"format": FORMAT, "coverage": self.coverage, "verify": self.verify.as_dict(),
-                "draft": self.draft.as_dict(), "tree": self.tree.as_dict(), "overhead": self.overhead.as_dict()}
+                "draft": self.draft.as_dict(), "tree": self.tree.as_dict(), "overhead": self.overhead.as_dict(),
+                "keys": list(self.keys)}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         return cls(Grid.from_dict(d["verify"]), Grid.from_dict(d["draft"]), Grid.from_dict(d["tree"]),
-                   Grid.from_dict(d["overhead"]), d["coverage"], source="cache")
+                   Grid.from_dict(d["overhead"]), d["coverage"], source="cache", keys=tuple(d["keys"]))
 
     def covers(self, rows: int, window: int, budget: int) -> bool:
         c = self.coverage
@@ -212,10 +225,10 @@ def _files(module) -> list[list]:
     return [[str(src.resolve())]] + out
 
 
-def cache_key(target, drafter, device: torch.device, dtype: torch.dtype) -> dict:
+def cache_key(target, drafter, device: torch.device, dtype: torch.dtype, selector: bool = False) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"format": FORMAT, "target": _files(target), "drafter": _files(drafter), "device": f"{device} {name}",
-            "dtype": str(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__}
+            "dtype": str(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__, "selector": selector}
 
 
 def cache_path(directory: Path, key: dict) -> Path:
@@ -293,10 +306,13 @@ def _interp(points: dict[int, float], x: float) -> float:
 
 
 @torch.inference_mode()
-def measure(target, drafter, cache, draft_cache, max_rows: int, max_window: int, max_budget: int,
-            seconds: float = DEFAULT_SECONDS) -> CostModel:
+def measure(target, drafter, passes: tuple[Callable, Callable], cache, draft_cache, max_rows: int, max_window: int,
+            max_budget: int, seconds: float = DEFAULT_SECONDS) -> CostModel:
     """Time the target's verify, the drafter pass and the tree build on slots 0..max_rows-1 after
-    CONTEXT committed rows each, most important points first, within `seconds`; derive the rest."""
+    CONTEXT committed rows each, most important points first, within `seconds`; derive the rest.
+    `passes` are the runner's own drafter pass and tree build (draft_pass, build), so what is timed
+    is what a round runs (DFlash2's selector included)."""
+    draft_pass, build = passes
     global measurements
     measurements += 1
     device = target.embed_tokens.weight.device
@@ -318,7 +334,7 @@ def measure(target, drafter, cache, draft_cache, max_rows: int, max_window: int,
     def verify(rows: int, n: int):
         batch = SlotBatch.of(cache, list(range(rows)))
         roots = torch.zeros(rows, dtype=torch.long, device=device)
-        spec = build_tree(roots, logits(rows, min(n - 1, depth)), n - 1) if n > 1 else None
+        spec = build(roots, logits(rows, min(n - 1, depth)), None, n - 1) if n > 1 else None
         if spec is None:
             from flashtree.tree import chain_spec
 
@@ -329,23 +345,16 @@ def measure(target, drafter, cache, draft_cache, max_rows: int, max_window: int,
             target(spec.tokens.clamp(min=0), ctx_, layers).logits.argmax(-1)
         return run
 
-    def draft(rows: int, head_only: bool):
+    def draft(rows: int, d: int):
         batch = SlotBatch.of(draft_cache, list(range(rows)))
-        block = torch.zeros(rows, L, dtype=torch.long, device=device)
-        hidden = torch.zeros(rows, depth, target.args.hidden_size, device=device,
-                             dtype=target.embed_tokens.weight.dtype)
-
-        def run():
-            if head_only:
-                target.lm_head(hidden)
-            else:
-                target.lm_head(drafter(target.embed_tokens(block), ForwardContext.block(draft_cache, batch, L))[:, 1:])
-        return run
+        roots = torch.zeros(rows, dtype=torch.long, device=device)
+        return lambda: draft_pass(batch, roots, d, None)
 
     def tree(rows: int, b: int):
         roots = torch.zeros(rows, dtype=torch.long, device=device)
+        markov = draft(rows, min(b, depth))()[2]  # the selector's candidates, else random logits
         lg = logits(rows, min(b, depth))
-        return lambda: build_tree(roots, lg, b)
+        return lambda: build(roots, lg, markov, b)
 
     windows = window_points(max_window)
     budgets = [b for b in TREE_BUDGETS if b < max_budget] + [max_budget]
@@ -371,19 +380,36 @@ def measure(target, drafter, cache, draft_cache, max_rows: int, max_window: int,
                 v[r, n] = timer(verify(r, n))
         elif kind == "d":
             _, r = item
-            full = timer(draft(r, False))
-            head[r] = min(full, timer(draft(r, True)))
+            # The LM head (and the selector) scale with the depths scored, the drafter's body does not.
+            full = timer(draft(r, depth))
+            head[r] = min(full, max(0.0, full - timer(draft(r, 1))) * depth / max(1, depth - 1))
             body[r] = full - head[r]
         else:
             _, r, b = item
             tr[r, b] = timer(tree(r, b))
     chain_roots, chain_logits = torch.zeros(rows_max, dtype=torch.long, device=device), logits(rows_max, depth)
-    chain_cost = timer(lambda: build_chain(chain_roots, chain_logits))
+    chain_markov = draft(rows_max, depth)()[2]
+    chain_cost = timer(lambda: build(chain_roots, chain_logits, chain_markov, 0))
+    keys = (0.0, 0.0, 0.0)
+    deep = min(8 * CONTEXT, cache.max_len - max_window - 2, draft_cache.max_len - 2 * L)
+    if ctx == CONTEXT and deep >= 2 * CONTEXT:
+        # The same verify (one node and a wider window) and drafter pass, DEEP keys behind each row.
+        wide = windows[min(4, len(windows) - 1)]
+        points = []
+        for length in (ctx, deep):
+            for s in range(rows_max):
+                cache.set_length(s, length)
+                draft_cache.set_length(s, length)
+            points.append([timer(verify(rows_max, 1)), timer(verify(rows_max, wide)), timer(draft(rows_max, depth))])
+        (ar, win, dr), (ar2, win2, dr2) = points
+        span = rows_max * (deep - ctx)
+        per_node = max(0.0, (win2 - win - (ar2 - ar)) / ((wide - 1) * span))
+        keys = (max(0.0, (ar2 - ar) / span - per_node), per_node, max(0.0, (dr2 - dr) / span))
     for s in range(rows_max):
         cache.set_length(s, 0)
         draft_cache.set_length(s, 0)
     return _tables(v, body, head, tr, chain_cost, rows_max, windows, budgets, depth, max_window, max_budget,
-                   time.perf_counter() - timer.start)
+                   time.perf_counter() - timer.start, keys)
 
 
 def _floor(points: dict[int, float]) -> dict[int, float]:
@@ -403,7 +429,7 @@ def _clamped(points: dict[int, float], x: float) -> float:
 
 
 def _tables(v, body, head, tr, chain_cost, rows_max, windows, budgets, depth, max_window, max_budget,
-            seconds) -> CostModel:
+            seconds, keys=(0.0, 0.0, 0.0)) -> CostModel:
     rows = row_points(rows_max)
     single = _floor({n: s for (r, n), s in v.items() if r == 1})  # tokens -> seconds at one row
     ar = _floor({r: s for (r, n), s in v.items() if n == 1})  # rows -> seconds at one node each
@@ -438,13 +464,14 @@ def _tables(v, body, head, tr, chain_cost, rows_max, windows, budgets, depth, ma
     tree = Grid(tree_rows, tb, tvals)
     overhead = Grid(rows, [0, 1], np.zeros((len(rows), 2)), monotone=(0,))
     return CostModel(verify, draft, tree, overhead, {"rows": rows_max, "window": max_window, "budget": max_budget},
-                     seconds=seconds)
+                     seconds=seconds, keys=keys)
 
 
-def startup(target, drafter, cache, draft_cache, max_rows: int, max_window: int, max_budget: int,
-            cache_setting: str | None, seconds: float = DEFAULT_SECONDS) -> tuple[CostModel, Path | None, dict]:
+def startup(target, drafter, passes: tuple[Callable, Callable], cache, draft_cache, max_rows: int, max_window: int,
+            max_budget: int, cache_setting: str | None, seconds: float = DEFAULT_SECONDS, selector: bool = False
+            ) -> tuple[CostModel, Path | None, dict]:
     """The cached tables when they cover this engine, else a fresh measurement (saved)."""
-    key = cache_key(target, drafter, cache.device, target.embed_tokens.weight.dtype)
+    key = cache_key(target, drafter, cache.device, target.embed_tokens.weight.dtype, selector)
     directory = cache_dir(cache_setting)
     path = cache_path(directory, key) if directory is not None else None
     model = load(path, key)
@@ -461,7 +488,7 @@ def startup(target, drafter, cache, draft_cache, max_rows: int, max_window: int,
     if loud:
         print(f"flashtree: measuring round costs for budget='auto' (once per model, device, dtype and "
               f"threads{where})...", end="", file=sys.stderr, flush=True)
-    model = measure(target, drafter, cache, draft_cache, max_rows, max_window, max_budget, seconds)
+    model = measure(target, drafter, passes, cache, draft_cache, max_rows, max_window, max_budget, seconds)
     if loud:
         print(f" {model.seconds:.1f} s", file=sys.stderr, flush=True)
     save(path, key, model)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from flashtree.engine.cost_model import CostModel
+from flashtree.engine.cost_model import CONTEXT, CostModel
 from flashtree.engine.sequence import Request
 from flashtree.sampling import SamplingParams
 
@@ -66,6 +66,7 @@ class RoundPlan:
     arm: int | None = None  # auto: the grid index of the tree, or CHAIN_ARM; None for AR steps
     measure: int = 0  # tree sizes (grid columns) whose accepted tokens the round reads back
     explored: bool = False  # auto: played to measure, paid from the exploration credit
+    keys: int = CONTEXT  # committed keys behind the batch's deepest row, which every row's attention spans
 
     @property
     def drafting(self) -> int:
@@ -175,6 +176,7 @@ class Policy:
         self.sizes = self.grid  # tree sizes by_size decodes (the runner's path codes)
         self.chain_arm = len(self.grid)
         self.cap = np.minimum(np.append(self.grid, self.depth), self.depth)  # the most each arm can keep
+        self.windows = np.append(self.grid, self.depth) + 1.0  # each arm's verify window
         self.max_round_tokens = max_round_tokens
         self.classes: dict[int, ClassStats] = {}
         self.owner: list[str | None] = [None] * slots
@@ -203,9 +205,10 @@ class Policy:
             self._plans[arm, rows] = plan
         return plan
 
-    def seconds(self, rows: int) -> tuple[float, np.ndarray]:
-        """AR steps' seconds for a batch of `rows`, and [arms, rows + 1]: a drafting arm's seconds
-        with k rows drafting (inf where the arm does not fit max_round_tokens)."""
+    def seconds(self, rows: int, keys: int = CONTEXT) -> tuple[float, np.ndarray]:
+        """AR steps' seconds for a batch of `rows` whose deepest row has `keys` committed keys, and
+        [arms, rows + 1]: a drafting arm's seconds with k rows drafting (inf where the arm does not
+        fit max_round_tokens)."""
         key = self.cost.refined // 16
         hit = self._tables.get(rows)
         if hit is None or hit[0] != key:
@@ -218,9 +221,13 @@ class Policy:
                     continue
                 for k in range(1, rows + 1):
                     table[arm, k] = c.round_seconds(rows, p.window, k, p.depth, k if p.tree_rows else 0, p.budget)
-            hit = (key, np.array(c.round_seconds(rows, 1, 0, 0, 0, 0)), table)
+            hit = (key, c.round_seconds(rows, 1, 0, 0, 0, 0), table)
             self._tables[rows] = hit
-        return float(hit[1]) * self.factor[-1], hit[2] * self.factor[:-1, None]
+        # The tables are CONTEXT keys deep; the keys a row attends past that are priced per key.
+        verify, draft = self.cost.deeper(rows, self.windows[:, None], np.arange(rows + 1), keys)
+        table = np.maximum(hit[2] + (verify + draft) * self.cost.scale, 0.5 * hit[2])
+        ar = max(hit[1] + sum(self.cost.deeper(rows, 1, 0, keys)) * self.cost.scale, 0.5 * hit[1])
+        return ar * self.factor[-1], table * self.factor[:-1, None]
 
     # ---- acceptance ----------------------------------------------------------------------------
 
@@ -261,17 +268,18 @@ class Policy:
         R = len(reqs)
         self.rounds += 1
         ids = [r.request_id for r in reqs]
+        keys = max(len(r.prompt_ids) + len(r.output_ids) for r in reqs)
         if self.hold[1] > 0 and self.hold[0] == ids:
             # Held rounds are timed too: every drafting arm is judged against AR's factor.
             self.hold = (ids, self.hold[1] - 1)
-            return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=float(self._tables[R][1]) * self.factor[-1])
+            return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=self.seconds(R, keys)[0], keys=keys)
         for r in reqs:
             self._claim(r)
-        ar_seconds, table = self.seconds(R)
+        ar_seconds, table = self.seconds(R, keys)
         rows = [i for i, r in enumerate(reqs) if r.speculative]
         ar_rate = R / ar_seconds
         if not rows:
-            return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds)
+            return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds, keys=keys)
         slots = [reqs[i].slot for i in rows]
         classes = [self.cls[s] for s in slots]
         # A request's own level is noisy after a few rounds: taken at face value, the rows that
@@ -299,7 +307,7 @@ class Policy:
                 if self.measured[slots].any():
                     due.append(OWN_HALF_LIFE)  # an own level yields to the class's
                 self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])))
-                return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds)
+                return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds, keys=keys)
             arm, explored = self.chain_arm, True
             rows = [rows[j] for j in probe]
             gains, k = gains[probe], len(probe)
@@ -311,7 +319,8 @@ class Policy:
         predicted = dict(zip(rows, gains[:, arm]))
         return replace(plan, modes=[mode if i in chosen else AR for i in range(R)], draft_rows=drafting,
                        tree_rows=len(drafting) if plan.tree_rows else 0, seconds=float(table[arm, k]),
-                       predicted=[float(predicted[i]) if i in chosen else 0.0 for i in range(R)], explored=explored)
+                       predicted=[float(predicted[i]) if i in chosen else 0.0 for i in range(R)], explored=explored,
+                       keys=keys)
 
     def _probe(self, reqs: list[Request], rows: list[int], classes: list[int], gains: np.ndarray, table: np.ndarray,
                R: int, ar_rate: float) -> list[int] | None:
@@ -355,13 +364,13 @@ class Policy:
         """Fold in a round: per row its accepted drafted tokens, per drafting row of a tree round
         by_size's (accepted per size, spine run, chain unmeasured), and the round's wall seconds."""
         R = len(slots)
-        ar_seconds, table = self.seconds(R)
+        ar_seconds = self.seconds(R, plan.keys)[0]
         if self.cost.frozen:  # tensor parallel: every rank plans alike, so none uses its own clock
             seconds = plan.seconds or ar_seconds
         if plan.arm is None:
             credit = PROBE * seconds
         else:
-            self._timed(plan.arm, table[plan.arm, plan.drafting] / self.factor[plan.arm], seconds)
+            self._timed(plan.arm, plan.seconds / self.factor[plan.arm], seconds)
             saved = (R + sum(accepted)) * ar_seconds / R - seconds
             # An exploration pays what it lost against AR steps, as it ran (a thin arm's cost is
             # the least known part of its prediction).

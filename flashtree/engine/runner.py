@@ -152,10 +152,11 @@ class ModelRunner:
             # Tensor-parallel ranks time the target together, so each must run the same points:
             # no time budget and no cache there (rank 0's tables are then shared: parallel/workers.py).
             tp = config.tensor_parallel_size > 1
-            cost, self.cost_path, self.cost_key = startup(target, drafter, self.cache, self.draft_cache,
+            cost, self.cost_path, self.cost_key = startup(target, drafter, (self.draft_pass, self.build),
+                                                          self.cache, self.draft_cache,
                                                           config.max_batch, self.max_window, config.max_budget,
                                                           "off" if tp else config.cost_cache,
-                                                          float("inf") if tp else DEFAULT_SECONDS)
+                                                          float("inf") if tp else DEFAULT_SECONDS, self.use_selector)
             self.policy = Policy(cost, config.max_batch, self.block_size, config.max_budget, config.max_round_tokens)
             w = drafter.fc.weight
             self.deferred = DeferredContext(config.max_batch, w.shape[1], w.dtype, device)
@@ -270,16 +271,29 @@ class ModelRunner:
         ctx = ForwardContext.verify(self.cache, batch, spec, key_len)
         return ctx, self.target(spec.tokens.clamp(min=0), ctx, self.feature_layers if features else ())
 
-    def _draft(self, batch: SlotBatch, roots: Tensor, depth: int, key_len: int) -> tuple[Tensor, Tensor]:
-        """Drafter hidden states and draft logits [R, depth, *] of the block [root, MASK x (L-1)]."""
+    def draft_pass(self, batch: SlotBatch, roots: Tensor, depth: int, key_len: int | None
+                   ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+        """A round's drafter work, which the cost model times as it is: the hidden states and
+        logits [R, depth, *] of the block [root, MASK x (L-1)], and under DFlash2's selector each
+        depth's candidates rescored given the parent's token."""
         block = torch.full((roots.shape[0], self.block_size), self.drafter.args.mask_token_id, device=roots.device)
         block[:, 0] = roots
         ctx = ForwardContext.block(self.draft_cache, batch, self.block_size, key_len)
         # A tree of b nodes is at most b deep: score only the depths the window can use.
         hidden = self.drafter(self.target.embed_tokens(block), ctx)[:, 1 : 1 + depth]
         if isinstance(self.drafter, DFlash2Drafter):
-            return hidden, self.drafter.logits(hidden, self.target.lm_head)
-        return hidden, self.target.lm_head(hidden)
+            logits = self.drafter.logits(hidden, self.target.lm_head)
+        else:
+            logits = self.target.lm_head(hidden)
+        return hidden, logits, self.drafter.transitions(hidden, logits, roots) if self.use_selector else None
+
+    @staticmethod
+    def build(roots: Tensor, logits: Tensor, markov: tuple[Tensor, Tensor] | None, budget: int) -> TreeSpec:
+        """The exact top-`budget` tree, or the chain for budget 0, under the selector's Markov draft
+        when there is one."""
+        if budget:
+            return build_markov_tree(roots, *markov, budget) if markov else build_tree(roots, logits, budget)
+        return build_markov_chain(roots, *markov) if markov else build_chain(roots, logits)
 
     def _append(self, batch: SlotBatch, features: Tensor, path: Tensor | None, key_len: int) -> ForwardContext:
         """Write drafter context K/V for the window's nodes on `path` (all of them when None)."""
@@ -389,13 +403,10 @@ class ModelRunner:
         plan = fixed_plan(batch.size, self.method if self.drafter is not None else "ar", self.block_size,
                           self.round_budget(batch.size))
         if plan.drafting:
-            hidden, logits = self._draft(batch, roots, plan.depth, key_len)
-            markov = self.drafter.transitions(hidden, logits, roots) if self.use_selector else None
+            _, logits, markov = self.draft_pass(batch, roots, plan.depth, key_len)
+            spec = self.build(roots, logits, markov, plan.budget if plan.tree_rows else 0)
             if plan.tree_rows:
-                tree = build_markov_tree(roots, *markov, plan.budget) if markov else build_tree(roots, logits, plan.budget)
-                spec = self.static_depth(tree, min(logits.shape[1], plan.budget))
-            else:
-                spec = build_markov_chain(roots, *markov) if markov else build_chain(roots, logits)
+                spec = self.static_depth(spec, min(logits.shape[1], plan.budget))
         else:
             spec = chain_spec(roots[:, None])
         ctx, out = self._verify(batch, spec, key_len, self.drafter is not None)
@@ -503,19 +514,14 @@ class ModelRunner:
         sub_roots = roots.index_select(0, staged["draft_rows"]) if "draft_rows" in staged else roots
         with self.clock.stage("draft"):
             t0 = time.perf_counter()
-            hidden, logits = self._draft(sub, sub_roots, plan.depth, self.key_len(sub, 0))
-            # DFlash2's selector: each depth's candidates rescored given the parent's token.
-            markov = self.drafter.transitions(hidden, logits, sub_roots) if self.use_selector else None
+            _, logits, markov = self.draft_pass(sub, sub_roots, plan.depth, self.key_len(sub, 0))
             if self.clock.sync:
                 torch.cuda.synchronize()
             self._draft_pass = time.perf_counter() - t0
         with self.clock.stage("tree"):
-            if plan.tree_rows:  # the exact top-budget tree (under the selector's Markov draft)
-                tree = build_markov_tree(sub_roots, *markov, plan.budget) if markov else \
-                    build_tree(sub_roots, logits, plan.budget)
-                part = self.static_depth(tree, min(logits.shape[1], plan.budget))
-            else:  # the chain: the greedy path (under the selector's draft)
-                part = build_markov_chain(sub_roots, *markov) if markov else build_chain(sub_roots, logits)
+            part = self.build(sub_roots, logits, markov, plan.budget if plan.tree_rows else 0)
+            if plan.tree_rows:
+                part = self.static_depth(part, min(logits.shape[1], plan.budget))
             if "draft_rows" not in staged:
                 return part
             return place_rows(root_only(roots, plan.window), staged["draft_rows"], part)
@@ -543,7 +549,7 @@ class ModelRunner:
         stages = {"verify": s.get("verify", 0.0), "draft_pass": self._draft_pass, "tree": s.get("tree", 0.0)}
         cost = self.policy.cost
         cost.refine(len(slots), plan.window, plan.drafting, plan.depth, plan.tree_rows, plan.budget,
-                    stages if self.timed_stages else None, seconds)
+                    stages if self.timed_stages else None, seconds, keys=plan.keys)
         if cost.refined == SAVE_AFTER:  # keep what this run learned for the next start
             save(self.cost_path, self.cost_key, cost)
 
