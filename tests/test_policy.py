@@ -798,6 +798,50 @@ def test_startup_times_only_the_work_it_names(pair, monkeypatch):
     assert draws["timed"] == 0
 
 
+def test_startup_times_the_runners_own_drafter_pass_and_build(pair, monkeypatch):
+    """What the cost model times as a drafter pass and a tree build is the runner's own work (a
+    private copy left DFlash2's selector out, and drafting rounds ran 2-2.5x their prediction)."""
+    from flashtree.engine.runner import ModelRunner
+
+    calls = {"draft_pass": 0, "build": 0}
+    for name in calls:
+        original = getattr(ModelRunner, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(ModelRunner, name, staticmethod(counted) if name == "build" else counted)
+    target, drafter = pair
+    LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", max_model_len=64, max_budget=16,
+                           cost_cache="off"))
+    assert calls["draft_pass"] >= 2 and calls["build"] >= 2
+
+
+def test_keys_past_the_tables_context_are_priced_per_row_node_and_drafting_row():
+    """The tables hold rows CONTEXT keys deep; a round over deeper rows costs its measured seconds
+    per key for each verify row and node and each drafting row, the policy prices plans with it,
+    and a round that took exactly its deeper prediction leaves the tables as they were."""
+    cost = _cost(1e-4)
+    cost.keys = (2e-7, 1e-7, 5e-7)
+    deep = cost_model.CONTEXT + 500
+    for rows, window, drafting in ((1, 1, 0), (4, 16, 2), (8, 9, 8)):
+        extra = (2e-7 + 1e-7 * window) * rows * 500 + 5e-7 * drafting * 500
+        base = cost.round_seconds(rows, window, drafting, 15, 0, 0)
+        assert cost.round_seconds(rows, window, drafting, 15, 0, 0, keys=deep) == pytest.approx(base + extra)
+    policy = Policy(cost, 16, 16, 64, 4096)
+    ar, table = policy.seconds(4, deep)
+    assert ar == pytest.approx(cost.round_seconds(4, 1, 0, 0, 0, 0, keys=deep))
+    chain = policy.arm_plan(policy.chain_arm, 4)
+    assert table[policy.chain_arm, 3] == pytest.approx(cost.round_seconds(4, chain.window, 3, chain.depth, 0, 0,
+                                                                           keys=deep))
+    before = cost.verify.values.copy(), cost.draft.values.copy()
+    stages = {"verify": float(cost.verify(4, 16)) + sum(cost.deeper(4, 16, 0, deep)),
+              "draft_pass": float(cost.draft(4, 15)) + cost.deeper(4, 16, 4, deep)[1], "tree": 0.0}
+    cost.refine(4, 16, 4, 15, 0, 0, stages, stages["verify"] + stages["draft_pass"], keys=deep)
+    assert np.allclose(cost.verify.values, before[0]) and np.allclose(cost.draft.values, before[1])
+
+
 def test_tree_costs_follow_their_measured_points():
     """The tree table is the tree builds' own timings (interpolated), whatever the chain build took."""
     v = {(r, n): 1e-3 * r * n for r in (1, 4) for n in (1, 2, 3, 5)}

@@ -258,6 +258,7 @@ class Policy:
                              st.shape[: self.chain_arm])
             shapes.append(np.append(np.maximum.accumulate(trees), chain))
             known.append(np.where(st.round - st.seen <= STALE, np.minimum(st.rows, KNOWN), 0))
+            known[-1][-1] = max(known[-1][-1], 1)  # the chain rests on its prior from the start
         idx = [uniq.index(c) for c in classes] if len(uniq) > 1 else [0] * len(classes)
         out = np.array(shapes)[idx] * (np.asarray(levels)[:, None] + P)
         return np.minimum(out, self.cap), np.array(known)[idx]
@@ -293,7 +294,8 @@ class Policy:
         gains, known = self.expected(classes, levels)  # [k, arms]
         room = [reqs[i].params.max_tokens - len(reqs[i].output_ids) - 1 for i in rows]  # drafted tokens it may keep
         gains = np.minimum(gains, np.maximum(np.array(room, dtype=float), 0.0)[:, None])
-        arm, k, rate = self._best(gains, table, R)
+        # A tree is played for its rate only once measured; before that, only to explore it.
+        arm, k, rate = self._best(np.where(known > 0, gains, 0.0), table, R)
         explore, short = self._explore(set(classes), gains, known, table, R, max(rate, ar_rate))
         explored = explore is not None
         if explored:
