@@ -139,10 +139,13 @@ def _cost(per_node: float, fixed: float = 0.010, draft: float = 0.004, rows: int
                      Grid(rs, [0, 1], [[0, 0], [0, 0]]), {"rows": rows, "window": 65, "budget": 64})
 
 
-def _requests(n: int, temperature: float = 0.0, first: int = 0) -> list[Request]:
+def _requests(n: int, temperature: float = 0.0, first: int = 0, tokens: int = PROBE_TOKENS) -> list[Request]:
+    """n requests in slots first.., each `tokens` into its output (by default past the first round
+    after its prompt, which teaches only the request)."""
     reqs = [Request([1, 2], SamplingParams(temperature=temperature)) for _ in range(n)]
     for i, r in enumerate(reqs):
         r.slot = first + i
+        r.output_ids = [5] * tokens
     return reqs
 
 
@@ -285,6 +288,7 @@ def test_tree_rounds_measure_every_smaller_tree_for_the_class():
     chain a measured run along the tree's spine."""
     policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
     reqs = _requests(2)
+    policy.plan(reqs)  # seats them
     plan = policy.arm_plan(policy.sizes.index(32), 2)
     _feed(policy, plan, reqs, accept=0.9)
     st = policy.classes[0]
@@ -390,8 +394,9 @@ def test_a_new_request_on_ar_steps_is_probed_once_with_the_chain():
     for accept, drafts_on in ((0.95, True), (0.0, False)):
         policy = Policy(_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
         _run(policy, _requests(1), accept=0.0, rounds=400)
-        assert policy.plan(_requests(1)).drafting == 0
-        new = _requests(1)
+        _run(policy, _requests(1, first=1, tokens=0), accept=0.0, rounds=50)  # openings too
+        assert policy.plan(_requests(1, tokens=0)).drafting == 0
+        new = _requests(1, tokens=0)
         policy.classes[0].credit = 1.0
         new[0].output_ids = [5] * (PROBE_TOKENS - 1)
         assert policy.plan(new).drafting == 0  # too early: a request's first rounds keep little
@@ -407,7 +412,7 @@ def test_a_class_seats_plain_only_if_none_of_its_recent_requests_would_draft():
     one of its recent requests kept enough to pay; once its recent requests all kept nothing,
     new ones are seated plain (all but the scouts)."""
     policy = Policy(_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
-    _run(policy, _requests(1), accept=0.0, rounds=3000)
+    _run(policy, _requests(1), accept=0.0, rounds=8000)
     st = policy.classes[0]
     assert st.level_rows >= SETTLE_ROWS and not policy.admit(SamplingParams(), 1)
     st.recent = [0.0, 3.0]  # one recent request kept its whole base every round
@@ -432,7 +437,7 @@ def test_frozen_costs_plan_alike_whatever_each_rank_timed():
 def test_a_settled_class_seats_plain_requests_but_scouts():
     """A class measured where no arm pays: new requests are seated plain, all but one in SCOUT."""
     policy = Policy(_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
-    _run(policy, _requests(4), accept=0.0, rounds=3000)
+    _run(policy, _requests(4), accept=0.0, rounds=8000)
     assert policy.classes[0].level_rows >= SETTLE_ROWS
     seated = [policy.admit(SamplingParams(), 4) for _ in range(4 * SCOUT)]
     assert sum(seated) == 4

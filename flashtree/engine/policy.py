@@ -35,8 +35,9 @@ OWN_ROUNDS = 2  # a request's own level counts n / (n + OWN_ROUNDS) against its 
 OWN_HALF_LIFE = 16  # tokens after which a request's rounds count half toward its own level
 KNOWN = 8  # rows measured before an arm's shape is trusted without exploring it
 STALE = 300  # rounds of its class after which an arm not measured since is explored again, once
-PRIOR_ROUNDS = 8  # the weight, in rounds, of the level's and the chain's priors
-SETTLE_ROWS = 64  # rows measured before a class whose drafts do not pay seats requests plain
+PRIOR_ROWS = 8  # the weight, in rows, of the level's and the chain's priors
+DEPTH_ROWS = 4  # the weight, in rows, of the chain's pooled stop rate at each depth
+SETTLE_ROWS = 32  # rows measured before a class whose drafts do not pay seats requests plain
 EXPLORE, PROBE = 0.05, 0.02  # exploration credit: of the time drafting saved, and of all round time
 FACTOR_RATE = 0.1  # EMA weight of a timed round in its arm's cost factor
 HOLD_MAX = 32  # rounds AR steps may be decided ahead while the batch stays the same
@@ -116,16 +117,15 @@ class ClassStats:
     """Measured acceptance of one sampling class: the level of the base, every tree's shape (a
     ratio of averages, accepted over base + P on the same rows), and the chain's survival by
     depth, read from its own rounds and, censored where the spine ends, from every tree's spine.
-    Priors worth PRIOR_ROUNDS rounds keep one unlucky first round from ruling drafting out. A
-    round's rows weigh 1/rows each: they are alike (a batch that fills at once is all first
-    rounds, which keep little), so eight of them are one piece of evidence, not eight."""
+    Priors worth PRIOR_ROWS rows keep one unlucky round from ruling drafting out."""
 
     def __init__(self, arms: int, depth: int) -> None:
-        self.level, self.level_rows, self.level_weight = BASE / 2, 0.0, 0.0
+        self.level, self.level_rows = BASE / 2, 0.0
         self.kept = np.zeros(arms)  # per tree: average accepted drafted tokens ...
         self.paired = np.zeros(arms)  # ... and average base + P on the same rows
-        self.reached = np.full(depth, float(PRIOR_ROUNDS))  # the chain: rows that reached each depth ...
-        self.stopped = self.reached / (depth / 2 + 1)  # ... and stopped there (prior: ~half kept)
+        self.reached = np.zeros(depth)  # the chain: rows that reached each depth ...
+        self.stopped = np.zeros(depth)  # ... and stopped there
+        self.hazard = 1 / (depth / 2 + 1)  # the prior's chance to stop at a depth: about half kept
         self.shape = np.full(arms, np.nan)  # per arm, accepted / (base + P)
         self.rows = np.zeros(arms)  # rows each arm's shape rests on (the prior not counted)
         self.seen = np.zeros(arms)  # the class's round when each arm was last measured
@@ -143,25 +143,26 @@ class ClassStats:
         self.rows[arm] += 1
         self.seen[arm] = self.round
 
-    def chain_run(self, run: int, censored: bool, weight: float = 1.0) -> None:
+    def chain_run(self, run: int, censored: bool) -> None:
         """The chain kept `run` drafted tokens, and stopped at the next one unless censored."""
         run = int(run)
-        decay = (1 - SHAPE_RATE) ** weight
-        self.reached *= decay
-        self.stopped *= decay
-        self.reached[: run + (not censored)] += weight
+        self.reached *= 1 - SHAPE_RATE
+        self.stopped *= 1 - SHAPE_RATE
+        self.reached[: run + (not censored)] += 1
         if not censored and run < len(self.stopped):
-            self.stopped[run] += weight
+            self.stopped[run] += 1
         self.rows[-1] += 1
         self.seen[-1] = self.round
 
     def _chain_shape(self) -> None:
-        self.shape[-1] = np.cumprod(1 - self.stopped / self.reached).sum() / (self.level + P)
+        # Each depth's stop rate leans on the rate pooled over all depths, and that on the prior:
+        # rows that stop at the first nodes then say the deeper ones will not keep half either.
+        pooled = (self.stopped.sum() + PRIOR_ROWS * self.hazard) / (self.reached.sum() + PRIOR_ROWS)
+        hazard = (self.stopped + DEPTH_ROWS * pooled) / (self.reached + DEPTH_ROWS)
+        self.shape[-1] = np.cumprod(1 - hazard).sum() / (self.level + P)
 
-    def leveled(self, base: float, weight: float = 1.0) -> None:
-        self.level_weight += weight
-        rate = max(1 - (1 - LEVEL_RATE) ** weight, weight / (PRIOR_ROUNDS + self.level_weight))
-        self.level += rate * (base - self.level)
+    def leveled(self, base: float) -> None:
+        self.level += max(LEVEL_RATE, 1.0 / (1.0 + PRIOR_ROWS + self.level_rows)) * (base - self.level)
         self.level_rows += 1
         self._chain_shape()
 
@@ -236,6 +237,13 @@ class Policy:
             self.classes[cls] = ClassStats(self.chain_arm + 1, self.depth)
         return self.classes[cls]
 
+    def _class_of(self, s: int) -> int:
+        """Whose statistics a row reads and teaches: its sampling class's, kept apart (-1 - class)
+        for a request's opening, its first PROBE_TOKENS tokens, which follow the prompt and are
+        guessed unlike the text after them (on the held-out prompts the first rounds kept about
+        nothing at T = 0, as they do where drafting never pays). An opening only drafts the chain."""
+        return -1 - self.cls[s] if self.tokens[s] < PROBE_TOKENS else self.cls[s]
+
     def _claim(self, req: Request) -> None:
         s = req.slot
         if self.owner[s] != req.request_id:
@@ -256,6 +264,10 @@ class Policy:
             chain = st.shape[self.chain_arm]
             trees = np.where(np.isnan(st.shape[: self.chain_arm]), chain * self.cap[:-1] / self.depth,
                              st.shape[: self.chain_arm])
+            if c < 0:  # an opening: the chain or AR steps, never explored
+                shapes.append(np.append(np.zeros_like(trees), chain))
+                known.append(np.full(len(trees) + 1, KNOWN))
+                continue
             shapes.append(np.append(np.maximum.accumulate(trees), chain))
             known.append(np.where(st.round - st.seen <= STALE, np.minimum(st.rows, KNOWN), 0))
             known[-1][-1] = max(known[-1][-1], 1)  # the chain rests on its prior from the start
@@ -282,12 +294,11 @@ class Policy:
         if not rows:
             return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds, keys=keys)
         slots = [reqs[i].slot for i in rows]
-        classes = [self.cls[s] for s in slots]
-        # A request's own level is noisy after a few rounds: taken at face value, the rows that
-        # were lucky would be the ones chosen to draft. It is shrunk toward its class's.
-        # What it kept long ago yields to its class's (its first rounds, say, where the text
-        # after a prompt is hard to guess): under AR steps nothing else would ever measure it again.
         self.tokens[slots] = [len(reqs[i].output_ids) for i in rows]
+        classes = [self._class_of(s) for s in slots]
+        # A request's own level is noisy after a few rounds: taken at face value, the rows that
+        # were lucky would be the ones chosen to draft. It is shrunk toward its class's. What it
+        # kept long ago yields to its class's: under AR steps nothing else would measure it again.
         rounds = self.measured[slots] * 0.5 ** ((self.tokens[slots] - self.at[slots]) / OWN_HALF_LIFE)
         own = rounds / (rounds + OWN_ROUNDS)
         levels = own * self.level[slots] + (1 - own) * np.array([self._stats(c).level for c in classes])
@@ -377,27 +388,26 @@ class Policy:
             # An exploration pays what it lost against AR steps, as it ran (a thin arm's cost is
             # the least known part of its prediction).
             credit = PROBE * seconds + (min(0.0, saved) if plan.explored else EXPLORE * max(0.0, saved))
-            weight = 1.0 / len(plan.draft_rows)
             for n, i in enumerate(plan.draft_rows):
                 s = slots[i]
-                st = self._stats(self.cls[s])
+                st = self._stats(self._class_of(s))
+                base = min(measured[n][1] if plan.tree_rows else accepted[i], BASE)
                 if plan.tree_rows:  # every smaller tree exactly, and the chain along the spine
                     counts, run, censored = measured[n]
-                    base = min(run, BASE)
                     for arm, got in enumerate(counts):
                         st.measured(arm, got, base)
-                    st.chain_run(run, censored and run < self.depth, weight)
+                    st.chain_run(run, censored and run < self.depth)
                 else:
-                    base = min(accepted[i], BASE)
-                    st.chain_run(accepted[i], False, weight)
-                st.leveled(base, weight)
-                self.level[s] += max(REQUEST_RATE, 1.0 / (1.0 + self.measured[s])) * (base - self.level[s])
-                self.measured[s] += 1
-                self.at[s] = self.tokens[s]
+                    st.chain_run(accepted[i], False)
+                st.leveled(base)
+                if self._class_of(s) >= 0:  # the opening says little of the request either
+                    self.level[s] += max(REQUEST_RATE, 1.0 / (1.0 + self.measured[s])) * (base - self.level[s])
+                    self.measured[s] += 1
+                    self.at[s] = self.tokens[s]
         for c in {self.cls[s] for s in slots}:
-            st = self._stats(c)
-            st.credit += credit
-            st.round += 1
+            for st in (self._stats(c), self._stats(-1 - c)):
+                st.credit += credit
+                st.round += 1
         if plan.arm is None and plan.seconds:
             self._timed(-1, plan.seconds / self.factor[-1], seconds)
 
@@ -416,7 +426,7 @@ class Policy:
         for one scout in SCOUT, whose rounds keep the class measured."""
         cls = sampling_class(params)
         st = self._stats(cls)
-        if st.level_rows < SETTLE_ROWS:
+        if st.level_rows + self._stats(-1 - cls).level_rows < SETTLE_ROWS:  # openings included
             return True
         rows = max(1, min(rows, len(self.owner)))
         ar_seconds, table = self.seconds(rows)
