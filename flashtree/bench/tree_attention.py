@@ -29,19 +29,21 @@ def random_ancestors(rows: int, n: int, device: torch.device, gen: torch.Generat
     return tree_ancestor_mask(ancestor_table(spec), depths).to(device)
 
 
-def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median milliseconds of fn over `repeats` calls after two warm-ups."""
+def _timed(fns: list[Callable[[], object]], device: torch.device, repeats: int) -> list[float]:
+    """Median milliseconds of each fn after two warm-ups, the fns called in turn at every repeat so
+    that a shared machine's drift hits them alike."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(2):
+    for fn in fns * 2:
         fn()
-    times = []
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return 1000 * sorted(times)[len(times) // 2]
+        for fn, ts in zip(fns, times):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            ts.append(time.perf_counter() - t0)
+    return [1000 * sorted(ts)[len(ts) // 2] for ts in times]
 
 
 @torch.inference_mode()
@@ -85,7 +87,7 @@ def time_tree_attention(device: torch.device, dtype: torch.dtype, heads: int, kv
         return tree_attention(q, k_win, v_win, keys[:, :, :p], values[:, :, :p], parts, scale)
 
     diff = (old().float() - new().float()).abs().max().item()
-    return {"context": context, "nodes": nodes, "rows": rows, "uneven": uneven,
-            "old_layer_ms": _timed(old, device, repeats), "new_layer_ms": _timed(new, device, repeats),
-            "old_mask_ms": _timed(old_mask, device, repeats), "new_mask_ms": _timed(new_mask, device, repeats),
-            "max_abs_diff": diff}
+    old_ms, new_ms = _timed([old, new], device, repeats)
+    old_mask_ms, new_mask_ms = _timed([old_mask, new_mask], device, repeats)
+    return {"context": context, "nodes": nodes, "rows": rows, "uneven": uneven, "old_layer_ms": old_ms,
+            "new_layer_ms": new_ms, "old_mask_ms": old_mask_ms, "new_mask_ms": new_mask_ms, "max_abs_diff": diff}
