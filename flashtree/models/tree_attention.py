@@ -87,13 +87,14 @@ def tree_attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor
     group = h // hkv
     qf = q.reshape(r, hkv, group * n, d)  # kv-major heads, as enable_gqa pairs them
     out_t, lse_t = _attend(qf, k, v, parts.folded_tree_bias(group), scale)
+    # reshape, not view: CUDA's kernels return [R, M, Hkv, D] memory under the [R, Hkv, M, D] shape.
     if parts.prefix_len == 0:
-        return out_t.view(r, h, n, d)
+        return out_t.to(q.dtype).reshape(r, h, n, d)
     out_p, lse_p = _attend(qf, keys, values, parts.prefix_bias, scale)
     diff = lse_p - lse_t if parts.prefix_lse_bias is None else lse_p - lse_t + parts.prefix_lse_bias
     w = torch.sigmoid(diff)[..., None]  # the prefix's share of the softmax mass, in float32 or wider
     out = torch.addcmul(out_t, w, out_p - out_t)  # out_t + w * (out_p - out_t)
-    return out.to(q.dtype).view(r, h, n, d)
+    return out.to(q.dtype).reshape(r, h, n, d)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
