@@ -174,6 +174,9 @@ def tree_attention_timing(deadline: Deadline, report: dict, shrunk: bool) -> Non
     """Old one-bias SDPA against the LSE path for one layer (flashtree/bench/tree_attention.py):
     batch 1 at every (context, tree size), and a batch of 8 at different lengths (the padding mask)."""
     from flashtree.bench.tree_attention import time_tree_attention
+    from flashtree.models.tree_attention import check_kernels
+
+    report["tree_attention_kernels_pass"] = check_kernels(torch.device(DEVICE), torch.bfloat16)  # the engine's gate
 
     h, hkv, hd = QWEN3_8B["num_attention_heads"], QWEN3_8B["num_key_value_heads"], QWEN3_8B["head_dim"]
     contexts = (256, 1024) if shrunk else (1024, 8192, 32768)  # a CPU smoke test keeps to small contexts
@@ -381,6 +384,8 @@ def markdown(report: dict) -> str:
                   f"{q.get('floor_ms', float('nan')):.2f} ms)", ""] + stage_table(q.get("rounds", []))
     if report.get("tree_attention"):
         lines += ["", "## Tree verify attention, one layer (bf16, 8B heads): one bias vs prefix + tree by LSE", ""]
+        lines += [f"Kernel check (the engine takes this path only where it passes): "
+                  f"{report.get('tree_attention_kernels_pass')}", ""]
         lines += tree_attention_table(report["tree_attention"])
     if report.get("sdpa_backends"):
         lines += ["", "## SDPA backends (bf16, 8B head shapes)", ""]

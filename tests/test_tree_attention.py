@@ -157,3 +157,19 @@ def test_greedy_ddtree_on_the_lse_path_matches_ar(pairs, kind, captured, monkeyp
     monkeypatch.setattr("flashtree.models.layers.tree_attention", lambda *a: calls.append(1) or real(*a))
     assert generate(pairs[kind], "ddtree", 16, captured) == ref
     assert calls  # the trees went through the LSE path
+
+
+def test_the_kernel_check_admits_a_build_whose_kernels_agree_and_refuses_one_that_fails(monkeypatch, capsys):
+    """check_kernels runs the LSE path once against one masked SDPA: kernels that agree pass; a
+    kernel this PyTorch build lacks (a RuntimeError) keeps the one-bias path, said in one line."""
+    monkeypatch.setattr(tree_attention, "_checked", {})
+    assert tree_attention.check_kernels(torch.device("cpu"), F64)
+
+    def missing(*args, **kwargs):
+        raise RuntimeError("no kernel image is available\nsecond line")
+
+    monkeypatch.setattr(tree_attention, "_attend", missing)
+    assert not tree_attention.check_kernels(torch.device("cpu"), torch.float32)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "keeps one masked SDPA" in err[0] and "no kernel image" in err[0]
+    assert not tree_attention.lse_path(torch.device("meta"), 4096, torch.float32)  # never checked: the bias path

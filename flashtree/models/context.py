@@ -130,7 +130,7 @@ class ForwardContext:
         # A captured round knows only its key bucket on the host: its prefix part spans key_len - n rows.
         prefix = batch.max_start if batch.start_list else key_len - n
         parts, bias = None, None
-        if lse_path(batch.starts.device, prefix):
+        if lse_path(batch.starts.device, prefix, cache.dtype):
             parts = tree_parts(batch.starts, batch.start_list, anc, key_len, cache.dtype)
         else:
             bias = additive(tree_window_mask(batch.starts, anc, key_len), cache.dtype)

@@ -17,6 +17,7 @@ is read once, with no repeat of the prefix K/V.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -28,14 +29,49 @@ _OPS = torch.ops.aten
 
 
 CPU_MIN_PREFIX = 2048  # committed keys from which the CPU takes this path (benchmarks/tree_attention.py)
+_checked: dict[tuple[str, torch.dtype], bool] = {}  # (device type, dtype) -> the kernels passed check_kernels
 
 
-def lse_path(device: torch.device, prefix_len: int) -> bool:
-    """Whether a tree verify whose prefix part spans prefix_len keys takes this path. CUDA: always,
-    since the prefix becomes flash-eligible (benchmarks/gpu_check.py times it for the next GPU). CPU:
-    from CPU_MIN_PREFIX keys, where skipping the [n, key_len] mask outweighs the extra kernels; one
-    masked SDPA is faster below (docs/performance.md)."""
-    return device.type == "cuda" or prefix_len >= CPU_MIN_PREFIX
+def lse_path(device: torch.device, prefix_len: int, dtype: torch.dtype) -> bool:
+    """Whether a tree verify whose prefix part spans prefix_len keys takes this path. CUDA: wherever
+    check_kernels passed at startup, since the prefix becomes flash-eligible (benchmarks/gpu_check.py
+    times it). CPU: from CPU_MIN_PREFIX keys, where skipping the [n, key_len] mask outweighs the extra
+    kernels; one masked SDPA is faster below (docs/performance.md)."""
+    if device.type == "cpu":
+        return prefix_len >= CPU_MIN_PREFIX
+    return _checked.get((device.type, dtype), False)
+
+
+def check_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run this path once against one masked SDPA on a small GQA tree (unequal starts, a start 0)
+    and keep the answer for lse_path. The private kernels it calls differ between PyTorch builds,
+    so a build where one fails or disagrees keeps the one-bias path, with one line saying so.
+    Call it outside graph capture (it reads the result back)."""
+    key = (device.type, dtype)
+    if key not in _checked:
+        try:
+            g = torch.Generator(device="cpu").manual_seed(0)
+            r, h, hkv, n, p, d = 2, 4, 2, 5, 40, 64
+            q, k, v = (torch.randn(r, x, n, d, generator=g).to(device, dtype) for x in (h, hkv, hkv))
+            keys, values = (torch.randn(r, hkv, p, d, generator=g).to(device, dtype) for _ in range(2))
+            starts = torch.tensor([0, p], device=device)
+            anc = torch.tril(torch.ones(n, n, dtype=torch.bool, device=device)).expand(r, n, n)
+            parts = tree_parts(starts, [0, p], anc, p + n, dtype)
+            got = tree_attention(q, k, v, keys, values, parts, d**-0.5)
+            visible = torch.cat([torch.arange(p, device=device)[None, :] < starts[:, None], torch.ones(r, n, dtype=torch.bool, device=device)], 1)
+            mask = visible[:, None, None, :] & torch.cat([visible[:, None, :p].expand(r, n, p), anc], 2)[:, None]
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q, torch.cat([keys, k], 2), torch.cat([values, v], 2), attn_mask=mask, scale=d**-0.5, enable_gqa=True)
+            _checked[key] = bool(torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2))
+        except RuntimeError as e:  # a kernel this build lacks or refuses
+            _checked[key] = False
+            print(f"flashtree: tree attention keeps one masked SDPA on {device.type} {dtype} ({e.__class__.__name__}: "
+                  f"{str(e).splitlines()[0][:120]})", file=sys.stderr)
+        else:
+            if not _checked[key]:
+                print(f"flashtree: tree attention keeps one masked SDPA on {device.type} {dtype} (the LSE path "
+                      f"disagreed with it)", file=sys.stderr)
+    return _checked[key]
 
 
 @dataclass
