@@ -11,7 +11,11 @@ stays off, so no round waits for the device except at its one read. It checks an
    the AR step at batch 1 and 8 against the bandwidth floor (weight bytes / a measured
    device-to-device copy bandwidth), and a ddtree round at B = 16, 64, 256 x batch 1, 8 as a
    multiple of the AR step, eager and captured;
-3. which SDPA backend each kind of attention call takes (torch._fused_sdp_choice).
+3. which SDPA backend each kind of attention call takes (torch._fused_sdp_choice);
+4. one tree verify layer's attention at the 8B head shape (bf16), contexts 1k/8k/32k x trees of
+   16/64/256 nodes: one SDPA with the tree's full bias (old) against the mask-free prefix + masked
+   tree part merged by log-sum-exp (new, flashtree/models/tree_attention.py), with their max
+   difference, to decide whether CUDA keeps the new path.
 
     python benchmarks/gpu_check.py --out /tmp/gpu_check      # -> gpu_check.json + gpu_check.md
 
@@ -164,6 +168,45 @@ def sdpa_backends(report: dict) -> None:
         except Exception as e:
             out[label] = f"{type(e).__name__}: {e}"
     report["sdpa_backends"] = out
+
+
+def tree_attention_timing(deadline: Deadline, report: dict, shrunk: bool) -> None:
+    """Old one-bias SDPA against the LSE path for one layer (flashtree/bench/tree_attention.py):
+    batch 1 at every (context, tree size), and a batch of 8 at different lengths (the padding mask)."""
+    from flashtree.bench.tree_attention import time_tree_attention
+    from flashtree.models.tree_attention import check_kernels
+
+    report["tree_attention_kernels_pass"] = check_kernels(torch.device(DEVICE), torch.bfloat16)  # the engine's gate
+
+    h, hkv, hd = QWEN3_8B["num_attention_heads"], QWEN3_8B["num_key_value_heads"], QWEN3_8B["head_dim"]
+    contexts = (256, 1024) if shrunk else (1024, 8192, 32768)  # a CPU smoke test keeps to small contexts
+    plan = [(c, n, 1) for c in contexts for n in (16, 64, 256)] + [(contexts[-1] // 4, n, 8) for n in (16, 64)]
+    rows = []
+    for context, nodes, batch in plan:
+        if deadline.left < 60:
+            rows.append({"context": context, "nodes": nodes, "rows": batch, "skipped": "out of time"})
+            continue
+        try:
+            rows.append(time_tree_attention(torch.device(DEVICE), torch.bfloat16, h, hkv, hd, context, nodes,
+                                            batch, uneven=batch > 1, repeats=5 if shrunk else 20))
+        except Exception as e:  # a failure is a result here: record it and go on
+            rows.append({"context": context, "nodes": nodes, "rows": batch, "error": f"{type(e).__name__}: {e}",
+                         "trace": traceback.format_exc(limit=3)})
+    report["tree_attention"] = rows
+
+
+def tree_attention_table(rows: list[dict]) -> list[str]:
+    lines = ["| context | nodes | rows | old ms | new ms | new / old | old mask ms | new mask ms | max diff |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = f"| {r['context']} | {r['nodes']} | {r['rows']}{' uneven' if r.get('uneven') else ''} |"
+        if "old_layer_ms" not in r:
+            lines.append(f"{head} {r.get('skipped') or r.get('error')} | | | | | |")
+            continue
+        lines.append(f"{head} {r['old_layer_ms']:.3f} | {r['new_layer_ms']:.3f} | "
+                     f"{r['new_layer_ms'] / r['old_layer_ms']:.2f} | {r['old_mask_ms']:.3f} | {r['new_mask_ms']:.3f} | "
+                     f"{r['max_abs_diff']:.1e} |")
+    return lines
 
 
 # ---- 3: Qwen3-8B-shaped random weights -------------------------------------------------------------
@@ -339,6 +382,11 @@ def markdown(report: dict) -> str:
                   f"{q.get('tp1_load_seconds', float('nan')):.1f} s; copy bandwidth "
                   f"{q.get('copy_bandwidth_gb_s', float('nan')):.0f} GB/s, so the AR floor is "
                   f"{q.get('floor_ms', float('nan')):.2f} ms)", ""] + stage_table(q.get("rounds", []))
+    if report.get("tree_attention"):
+        lines += ["", "## Tree verify attention, one layer (bf16, 8B heads): one bias vs prefix + tree by LSE", ""]
+        lines += [f"Kernel check (the engine takes this path only where it passes): "
+                  f"{report.get('tree_attention_kernels_pass')}", ""]
+        lines += tree_attention_table(report["tree_attention"])
     if report.get("sdpa_backends"):
         lines += ["", "## SDPA backends (bf16, 8B head shapes)", ""]
         lines += [f"- {k}: {v}" for k, v in report["sdpa_backends"].items()]
@@ -371,6 +419,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
             identical_checks(deadline, report, Path(tmp))
             sdpa_backends(report)
+            tree_attention_timing(deadline, report, args.shrink_8b or DEVICE == "cpu")
             if not args.skip_8b:
                 qwen3_8b_checks(deadline, report, Path(tmp))
     finally:

@@ -56,10 +56,11 @@ class KVCache:
         self.k.index_put_(index, k)
         self.v.index_put_(index, v)
 
-    def read(self, layer: int, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
-        """K/V of the first ctx.key_len rows of each slot, as [R, Hkv, key_len, D]."""
+    def read(self, layer: int, ctx: ForwardContext, rows: int | None = None) -> tuple[Tensor, Tensor]:
+        """K/V of the first `rows` rows of each slot (default ctx.key_len), as [R, Hkv, rows, D]; a
+        tree's prefix part reads only the committed rows."""
         k, v = self.k[layer], self.v[layer]
-        n = ctx.key_len
+        n = ctx.key_len if rows is None else rows
         first = ctx.batch.first
         if first is not None:  # consecutive slots: a view, read in place
             r = ctx.batch.size

@@ -42,6 +42,7 @@ from flashtree.models.mtp import MTPHead
 from flashtree.models.transformer import ForwardOutput
 from flashtree.sampler import SamplingBatch, SamplingStage, pick, processed_logprobs
 from flashtree.sampling import SamplingParams
+from flashtree.models.tree_attention import check_kernels
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
 from flashtree.tree.markov import build_markov_chain, build_markov_tree
 from flashtree.tree.mix import place_rows, root_only
@@ -136,6 +137,8 @@ class ModelRunner:
         self.pads = [padding_request(config.max_batch) for _ in range(self.max_rows - 1)] if self.static else []
         self.cache = target.new_cache(slots, cache_len)
         self.draft_cache = drafter.new_cache(slots, cache_len) if drafter is not None else None
+        if device.type != "cpu" and self.method == "ddtree":
+            check_kernels(device, self.cache.dtype)  # before any capture: every tree verify reads its answer
         self.mtp = None
         if mtp_head is not None:
             self.mtp = MTPDraft(mtp_head, target, config.num_speculative_tokens, slots, cache_len, device)

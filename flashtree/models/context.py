@@ -18,6 +18,7 @@ from torch import Tensor
 
 from flashtree.models.mask import (additive, causal_window_mask, lower_right_causal, path_taps, tree_ancestor_mask,
                                    tree_window_mask)
+from flashtree.models.tree_attention import TreeParts, lse_path, tree_parts
 from flashtree.tree import TreeSpec, ancestor_table
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class ForwardContext:
     ancestors: Tensor | None = None  # [R, N, D+1] ancestor table of a tree (flashtree.tree.ancestor_table)
     tree_mask: Tensor | None = None  # [R, 1, N, N] ancestor-or-self of a tree
     taps: Tensor | None = None  # [R, N, cache.path_taps] rows of [committed taps ++ window] on each node's path
+    tree_parts: TreeParts | None = None  # a tree attended as prefix + tree merged by LSE (then attn_bias is None)
     windows: dict[int, Any] = field(default_factory=dict)  # recurrent layer index -> its record for commit
 
     @property
@@ -125,10 +127,16 @@ class ForwardContext:
         anc = tree_ancestor_mask(table, tree.depths)
         taps = path_taps(table, tree.depths, cache.path_taps) if cache.path_taps else None
         rows = batch.starts[:, None] + torch.arange(n, device=batch.starts.device)
+        # A captured round knows only its key bucket on the host: its prefix part spans key_len - n rows.
+        prefix = batch.max_start if batch.start_list else key_len - n
+        parts, bias = None, None
+        if lse_path(batch.starts.device, prefix, cache.dtype):
+            parts = tree_parts(batch.starts, batch.start_list, anc, key_len, cache.dtype)
+        else:
+            bias = additive(tree_window_mask(batch.starts, anc, key_len), cache.dtype)
         return cls(cache, batch, positions=batch.starts[:, None] + tree.depths, rows=rows, parents=tree.parents,
-                   depths=tree.depths, key_len=key_len,
-                   attn_bias=additive(tree_window_mask(batch.starts, anc, key_len), cache.dtype),
-                   is_chain=False, ancestors=table, tree_mask=anc[:, None], taps=taps)
+                   depths=tree.depths, key_len=key_len, attn_bias=bias, is_chain=False, ancestors=table,
+                   tree_mask=anc[:, None], taps=taps, tree_parts=parts)
 
     @classmethod
     def block(cls, cache: KVCache, batch: SlotBatch | list[int], n: int, key_len: int | None = None

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from flashtree.models.context import ForwardContext
-from flashtree.models.layers import MergedLinear, Rope, apply_rotary, attention
+from flashtree.models.layers import MergedLinear, Rope, apply_rotary, window_attention
 from flashtree.models.qwen3_5_args import Qwen35Args
 from flashtree.models.qwen3_5_norms import ZeroCentredRMSNorm
 
@@ -36,8 +36,6 @@ class GatedAttention(nn.Module):
         v = v.view(r, n, hkv, hd)
         qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         q, k = apply_rotary(qk, rope).split([h, hkv], dim=2)  # one rotation for q and k
-        ctx.cache.write(self.index, ctx, k, v)
-        keys, values = ctx.cache.read(self.index, ctx)
-        out = attention(q.transpose(1, 2), keys, values, ctx.attn_bias, hd**-0.5, ctx.causal)
+        out = window_attention(q, k, v, ctx, self.index, hd**-0.5)
         out = out.transpose(1, 2).reshape(r, n, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(r, n, -1)))

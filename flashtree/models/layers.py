@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from flashtree.models.tree_attention import tree_attention
+
+if TYPE_CHECKING:
+    from flashtree.models.context import ForwardContext
 
 
 class RMSNorm(nn.Module):
@@ -205,3 +210,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
     )
+
+
+def window_attention(q: Tensor, k: Tensor, v: Tensor, ctx: ForwardContext, layer: int, scale: float) -> Tensor:
+    """Write the window's k/v [R, N, Hkv, D] to cache layer `layer`, then attend q [R, N, H, D] over
+    each slot's keys as ctx says: one SDPA over the cache rows, or for a tree with `ctx.tree_parts`
+    the committed rows and the window's own k/v merged by LSE. Returns [R, H, N, D]."""
+    ctx.cache.write(layer, ctx, k, v)
+    if ctx.tree_parts is not None:
+        keys, values = ctx.cache.read(layer, ctx, ctx.tree_parts.prefix_len)
+        return tree_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keys, values,
+                              ctx.tree_parts, scale)
+    keys, values = ctx.cache.read(layer, ctx)
+    return attention(q.transpose(1, 2), keys, values, ctx.attn_bias, scale, ctx.causal)

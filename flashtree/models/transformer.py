@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from flashtree.cache import KVCache
 from flashtree.models.context import ForwardContext
-from flashtree.models.layers import MLP, MergedLinear, RMSNorm, Rope, Rotary, apply_rotary, attention, rope_parameters
+from flashtree.models.layers import (MLP, MergedLinear, RMSNorm, Rope, Rotary, apply_rotary, rope_parameters,
+                                     window_attention)
 
 
 @dataclass
@@ -82,9 +83,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :, :h]), self.k_norm(qk[:, :, h:])], dim=2)
         q, k = apply_rotary(qk, rope).split([h, hkv], dim=2)  # one rotation for q and k
-        ctx.cache.write(self.layer, ctx, k, v)
-        keys, values = ctx.cache.read(self.layer, ctx)
-        out = attention(q.transpose(1, 2), keys, values, ctx.attn_bias, self.head_dim**-0.5, ctx.causal)
+        out = window_attention(q, k, v, ctx, self.layer, self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(r, n, -1))
 
 
