@@ -15,8 +15,8 @@ import torch
 from flashtree import LLM, EngineConfig, LLMEngine, SamplingParams
 from flashtree.engine import cost_model
 from flashtree.engine.cost_model import CostModel, Grid
-from flashtree.engine.policy import (AR, CHAIN, OWN_HALF_LIFE, PROBE, PROBE_TOKENS, SCOUT, SETTLE_ROWS, Policy, RoundPlan,
-                                     by_size, fixed_plan)
+from flashtree.engine.policy import (AR, CHAIN, PROBE, PROBE_TOKENS, SCOUT, SETTLE_ROWS, Policy, RoundPlan, by_size,
+                                     fixed_plan)
 from flashtree.engine.runner import path_codes
 from flashtree.engine.sequence import Request
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree
@@ -331,38 +331,34 @@ def test_the_chain_is_measured_along_tree_spines_where_they_end_first():
     assert np.mean(seen) < 3
 
 
-def test_a_rounds_rows_count_as_one_round_against_the_prior():
-    """A batch that fills at once drafts its requests' first rounds together, and those keep alike
-    (often nothing): eight rows of one round move the class's level and chain as one row does."""
-    estimates = []
-    for rows in (1, 8):
-        policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
-        reqs = _requests(rows)
-        _feed(policy, policy.arm_plan(policy.chain_arm, rows), reqs, accept=0.0)
-        st = policy.classes[0]
-        estimates.append((st.level, policy.expected([0], np.array([st.level]))[0][0, policy.chain_arm]))
-    assert estimates[0][0] == pytest.approx(estimates[1][0], rel=1e-12)
-    assert estimates[0][1] == pytest.approx(estimates[1][1], rel=1e-2)  # fading interleaves with the rows
-    assert estimates[1][1] > 2.0  # one round keeping nothing leaves the chain worth drafting
+def test_a_requests_opening_has_statistics_of_its_own():
+    """Openings (a request's first PROBE_TOKENS tokens, right after its prompt) that keep nothing
+    put new requests' openings on AR steps, while the same class's later rounds, which keep
+    much, go on drafting the moment a request leaves its opening."""
+    from flashtree.engine.policy import ClassStats
 
-
-def test_what_a_request_kept_long_ago_yields_to_its_class():
-    """A request whose first rounds kept nothing goes to AR steps, though its class pays; its own
-    level fades with the tokens since, so it drafts again within a few OWN_HALF_LIFE tokens
-    (nothing else would measure it under AR steps)."""
-    policy = Policy(_cost(3e-4, draft=0.01), 16, 16, 64, 4096)
-    _run(policy, _requests(1, first=5), accept=0.7, rounds=200)
-    new = _requests(1)
-    for _ in range(4):
-        policy.plan(new)  # seats it
-        _feed(policy, policy.arm_plan(policy.chain_arm, 1), new, accept=0.0)
-    policy.classes[0].credit = 0.0  # no exploration
-    assert policy.plan(new).drafting == 0
+    policy = Policy(_cost(3e-4, draft=0.03), 16, 16, 64, 4096)  # the chain pays from ~4 tokens kept
+    opening = _requests(2, tokens=0)
+    for _ in range(20):
+        policy.plan(opening)  # seats them
+        _feed(policy, policy.arm_plan(policy.chain_arm, 2), opening, accept=0.0)
+    _run(policy, _requests(2, first=2), accept=0.9, rounds=100)
+    assert policy.classes[-1].level < 1.5 < policy.classes[0].level  # both started at the prior, 1.5
+    for st in policy.classes.values():
+        st.credit = 0.0  # no exploration
+    new = _requests(1, first=4, tokens=0)
     drafted = []
-    for n in range(1, 4 * OWN_HALF_LIFE):  # an AR step a token
-        new[0].output_ids = [5] * n
-        drafted += [n] * policy.plan(new).drafting
-    assert drafted and OWN_HALF_LIFE // 2 < drafted[0] < 4 * OWN_HALF_LIFE
+    for t in range(PROBE_TOKENS + 1):  # an AR step a token
+        new[0].output_ids = [5] * t
+        drafted.append(policy.plan(new).drafting)
+    assert drafted == [0] * PROBE_TOKENS + [1]
+    # The chain's stop rate leans on the rate pooled over depths: rows that stop at the first
+    # node bring every depth down, not the first alone (else the deeper ones stay at the prior).
+    st = ClassStats(4, 15)
+    for _ in range(8):
+        st.chain_run(0, False)
+    st.leveled(0.0)
+    assert st.shape[-1] * (st.level + 0.5) < 1.0
 
 
 def test_exploration_plays_the_largest_thin_tree_only():

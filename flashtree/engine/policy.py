@@ -32,7 +32,6 @@ MODE_NAMES = ("ar", "chain", "tree")
 BASE, P = 3, 0.5  # the paired base (spine nodes), and the tokens added to both sides of a shape
 LEVEL_RATE, REQUEST_RATE, SHAPE_RATE = 0.05, 0.3, 0.02  # EMA weights: per class row, per request round, per row
 OWN_ROUNDS = 2  # a request's own level counts n / (n + OWN_ROUNDS) against its class's after n rounds
-OWN_HALF_LIFE = 16  # tokens after which a request's rounds count half toward its own level
 KNOWN = 8  # rows measured before an arm's shape is trusted without exploring it
 STALE = 300  # rounds of its class after which an arm not measured since is explored again, once
 PRIOR_ROWS = 8  # the weight, in rows, of the level's and the chain's priors
@@ -184,8 +183,7 @@ class Policy:
         self.cls = [0] * slots
         self.level = np.zeros(slots)  # each request's own recent base ...
         self.measured = np.zeros(slots)  # ... and the rounds it rests on
-        self.tokens = np.zeros(slots)  # each request's output tokens when last planned ...
-        self.at = np.zeros(slots)  # ... and when last measured
+        self.tokens = np.zeros(slots)  # each request's output tokens when last planned
         self.factor = np.ones(len(self.grid) + 2)  # timed / modelled seconds per arm; the last is AR's
         self.rounds = 0
         self.hold: tuple[list[str], int] = ([], 0)  # AR steps decided ahead: for this batch, this many rounds
@@ -251,7 +249,7 @@ class Policy:
                 recent = self._stats(self.cls[s]).recent
                 recent[:] = [*recent[1 - RECENT:], float(self.level[s])]
             self.owner[s], self.cls[s] = req.request_id, sampling_class(req.params)
-            self.level[s], self.measured[s], self.at[s] = self._stats(self.cls[s]).level, 0.0, 0.0
+            self.level[s], self.measured[s] = self._stats(self.cls[s]).level, 0.0
 
     def expected(self, classes: list[int], levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[rows, arms]: the drafted tokens each row (its class, its level) is expected to keep,
@@ -297,10 +295,8 @@ class Policy:
         self.tokens[slots] = [len(reqs[i].output_ids) for i in rows]
         classes = [self._class_of(s) for s in slots]
         # A request's own level is noisy after a few rounds: taken at face value, the rows that
-        # were lucky would be the ones chosen to draft. It is shrunk toward its class's. What it
-        # kept long ago yields to its class's: under AR steps nothing else would measure it again.
-        rounds = self.measured[slots] * 0.5 ** ((self.tokens[slots] - self.at[slots]) / OWN_HALF_LIFE)
-        own = rounds / (rounds + OWN_ROUNDS)
+        # were lucky would be the ones chosen to draft. It is shrunk toward its class's.
+        own = self.measured[slots] / (self.measured[slots] + OWN_ROUNDS)
         levels = own * self.level[slots] + (1 - own) * np.array([self._stats(c).level for c in classes])
         gains, known = self.expected(classes, levels)  # [k, arms]
         room = [reqs[i].params.max_tokens - len(reqs[i].output_ids) - 1 for i in rows]  # drafted tokens it may keep
@@ -317,8 +313,6 @@ class Policy:
                 # Nothing is measured under AR steps: the plan holds until the batch changes,
                 # the credit covers an exploration or a probe falls due.
                 due = [PROBE_TOKENS - 1 - len(reqs[i].output_ids) for i in rows if not self.measured[reqs[i].slot]]
-                if self.measured[slots].any():
-                    due.append(OWN_HALF_LIFE)  # an own level yields to the class's
                 self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])))
                 return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds, keys=keys)
             arm, explored = self.chain_arm, True
@@ -403,7 +397,6 @@ class Policy:
                 if self._class_of(s) >= 0:  # the opening says little of the request either
                     self.level[s] += max(REQUEST_RATE, 1.0 / (1.0 + self.measured[s])) * (base - self.level[s])
                     self.measured[s] += 1
-                    self.at[s] = self.tokens[s]
         for c in {self.cls[s] for s in slots}:
             for st in (self._stats(c), self._stats(-1 - c)):
                 st.credit += credit
