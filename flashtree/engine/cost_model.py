@@ -352,8 +352,14 @@ def measure(target, drafter, passes: tuple[Callable, Callable], cache, draft_cac
 
     def tree(rows: int, b: int):
         roots = torch.zeros(rows, dtype=torch.long, device=device)
-        markov = draft(rows, min(b, depth))()[2]  # the selector's candidates, else random logits
-        lg = logits(rows, min(b, depth))
+        d = min(b, depth)
+        lg = logits(rows, d)
+        markov = draft(rows, d)()[2]
+        if markov is not None:  # the selector's shapes, spread like the random logits (a pass on an
+            # empty context drafts one peaked guess, whose tree the build prunes to a fraction)
+            k = markov[0].shape[-1]
+            markov = (torch.arange(k, device=device).expand(rows, d, k),
+                      torch.log_softmax(torch.randn(rows, d, k, k, generator=gen) * 4, -1).to(device))
         return lambda: build(roots, lg, markov, b)
 
     windows = window_points(max_window)
