@@ -1,0 +1,182 @@
+"""build_tree's tree computed with numpy, for logits on the CPU.
+
+On the CPU a tensor build is some 300 small ops whose dispatch costs more than their arithmetic,
+and torch.topk over a vocabulary is slower than numpy's partition, so build_tree sends CPU logits
+here whenever it may read them on the host (prune). It follows build.py's tie rule and returns
+the same TreeSpec bit for bit (tests/test_tree_host.py checks the two on tie-heavy random inputs);
+the log-probs still come from torch.log_softmax, the one step numpy could round differently.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from flashtree.tree.spec import TreeSpec
+
+
+@functools.lru_cache(maxsize=64)
+def pair_list(width: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(parent rank p, token rank t) candidates that can still reach a level's top-`width`.
+
+    Every (p', t') with p' <= p, t' <= t scores at least as high and comes first in the tie
+    order, so (p, t) needs (p+1)(t+1) <= width: about width*ln(width) pairs instead of width*k.
+    Listed p-major, so list position follows the level's tie order. Read-only (cached).
+    """
+    counts = np.minimum(width // np.arange(1, width + 1), k)
+    parent = np.repeat(np.arange(width), counts)
+    token = np.arange(parent.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    parent.flags.writeable = token.flags.writeable = False
+    return parent, token
+
+
+def levels_needed(top: np.ndarray, width: int) -> int:
+    """How many depths can hold a node of any row's top-`width` tree, given top [R, D, K]: each
+    (row, depth)'s best K token log-probs, descending.
+
+    The best prefix of each length is the chain of top tokens (float32 rounding is monotone), and
+    a deeper prefix never beats it, so chain[d+1] bounds every prefix longer than d+1. The `width`
+    prefixes "chain of length e, then one of the K = width best tokens at depth e+1" are distinct
+    and scored exactly as the builder scores them; the worst of them is chain[e] + the K-th token.
+    Once chain[d+1] is below the best such floor over e <= d in every row, at least `width`
+    shallower prefixes outrank every deeper one (ties go to the shallower), so levels past d+1
+    cannot change the tree.
+    """
+    R, D, K = top.shape
+    if K < width:  # fewer than `width` tokens per depth: no cheap floor
+        return D
+    chain = np.add.accumulate(top[:, :, 0], axis=1, dtype=np.float32)  # sequential, in the builder's order
+    parent = np.concatenate([np.zeros((R, 1), np.float32), chain[:, :-1]], 1)
+    floor = np.maximum.accumulate(parent + top[:, :, -1], axis=1)
+    done = (chain[:, 1:] < floor[:, :-1]).all(0)  # [D-1]: nothing past depth d+1 can be placed
+    return int(done.argmax()) + 1 if done.any() else D
+
+
+def _tie_ids(lp: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
+    """Ids [F, k] of each row's entries above its k-th value t [F], then its lowest ids equal to t."""
+    above = lp > t[:, None]
+    equal = lp == t[:, None]
+    room = k - np.count_nonzero(above, axis=1)
+    take = above | (equal & (np.cumsum(equal, axis=1) <= room[:, None]))
+    return np.nonzero(take)[1].reshape(-1, k)
+
+
+def token_topk(lp: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k of log-probs lp [F, V] per row by (value desc, id asc): values and ids [F, k].
+
+    argpartition finds k entries holding the k largest values; which of several entries equal to
+    the k-th value t it keeps is unspecified, so rows with more than k entries >= t (rare without
+    rounded logits) take their tied ids from _tie_ids instead.
+    """
+    F, V = lp.shape
+    if k < V:
+        ids = np.argpartition(lp, V - k, axis=1)[:, V - k :]
+        t = np.take_along_axis(lp, ids, 1).min(1)
+        tied = np.count_nonzero(lp >= t[:, None], axis=1) > k
+        if tied.any():
+            ids[tied] = _tie_ids(lp[tied], t[tied], k)
+    else:
+        ids = np.broadcast_to(np.arange(V), (F, V))
+    vals = np.take_along_axis(lp, ids, 1)
+    order = np.lexsort((ids, -vals), axis=1)
+    return np.take_along_axis(vals, order, 1), np.take_along_axis(ids, order, 1)
+
+
+def _best_first(x: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the k largest entries of each row of x (all <= 0), ties to the lower position.
+
+    -x folds +0.0 and -0.0 together, as build.py's integer keys do.
+    """
+    return np.argsort(-x, axis=1, kind="stable")[:, :k]
+
+
+def build_levels(tok_lp: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each level's top-`width` prefixes from tok_lp [R, D, K] (sorted token log-probs per depth).
+
+    Level d is the top-`width` of (level d-1 x the pair list's token ranks), taken in the pair
+    list's tie order. Returns the scores [R, D, width] and each entry's position in the pair list.
+    """
+    R, D, K = tok_lp.shape
+    pair_p, pair_t = pair_list(width, K)
+    pair_lp = tok_lp[:, :, pair_t]  # [R, D, C]
+    score = np.full((R, width), -np.inf, np.float32)  # level 0: the root alone
+    score[:, 0] = 0.0
+    scores = np.empty((R, D, width), np.float32)
+    picked = np.empty((R, D, width), np.int64)
+    for d in range(D):
+        cand = score[:, pair_p] + pair_lp[:, d]
+        sel = _best_first(cand, width)
+        score = np.take_along_axis(cand, sel, 1)
+        scores[:, d], picked[:, d] = score, sel
+    return scores, picked
+
+
+def build_tree_host(root_tokens: Tensor, draft_logits: Tensor, budget: int | Tensor, width: int) -> TreeSpec:
+    """build_tree(root_tokens, draft_logits, budget, max_budget=width, prune=True) for CPU tensors.
+
+    `width` is build_tree's checked bound on the budget (its bmax).
+    """
+    R, D, V = draft_logits.shape
+    K = min(width, V)
+    lp = torch.log_softmax(draft_logits.detach().float(), dim=-1).numpy()
+    tok_lp, tok_id = token_topk(lp.reshape(R * D, V), K)
+    tok_lp, tok_id = tok_lp.reshape(R, D, K), tok_id.reshape(R, D, K)
+    D = levels_needed(tok_lp, width)
+    scores, picked = build_levels(tok_lp[:, :D], width)
+    pair_p, pair_t = pair_list(width, K)
+    sibling = pair_t[picked]  # [R, D, width]
+    token = np.take_along_axis(tok_id[:, :D], sibling, 2)
+    scores = scores.reshape(R, D * width)
+    top = _best_first(scores, width)
+    top_score = np.take_along_axis(scores, top, 1)
+    return assemble_host(root_tokens, scores, pair_p[picked].reshape(R, -1), token.reshape(R, -1), top_score, top,
+                         budget, width, sibling.reshape(R, -1))
+
+
+def assemble_host(root_tokens: Tensor, scores: np.ndarray, parent_rank: np.ndarray, token: np.ndarray,
+                  top_score: np.ndarray, top: np.ndarray, budget: int | Tensor, bmax: int,
+                  sibling: np.ndarray) -> TreeSpec:
+    """build.assemble on numpy arrays: the TreeSpec of the top-budget nodes, by (depth, level rank).
+
+    The sort that orders the chosen nodes stays torch's: its padding keys tie, and the padding
+    nodes' ranks are whatever torch's unstable sort gives them.
+    """
+    R, flat_len = scores.shape
+    D = flat_len // bmax
+    rank = np.arange(bmax)
+    if isinstance(budget, Tensor):
+        budget = budget.cpu().numpy().reshape(-1, 1)
+    chosen = (rank < budget) & (top_score > -np.inf)
+    order, place = torch.from_numpy(np.where(chosen, top, D * bmax)).sort(dim=1)
+    order, place = order.numpy(), place.numpy()
+    keep = order < D * bmax
+    flat = np.minimum(order, D * bmax - 1)
+    depth = flat // bmax + 1
+
+    # Parents: flat index of the parent in the previous level -> its output slot (root = 0).
+    slot = np.zeros((R, D * bmax + 1), np.int64)
+    np.put_along_axis(slot, order, rank + 1, 1)
+    parent_flat = (depth - 2) * bmax + np.take_along_axis(parent_rank, flat, 1)
+    parent = np.where(depth > 1, np.take_along_axis(slot, np.maximum(parent_flat, 0), 1), 0)
+
+    root = root_tokens.to(torch.int64).reshape(R, 1)
+
+    def column(first: Tensor | int | float | bool, rest: np.ndarray, dtype: torch.dtype) -> Tensor:
+        """[first | rest] as a [R, 1 + bmax] tensor of `dtype`."""
+        out = torch.empty(R, 1 + rest.shape[1], dtype=dtype)
+        out[:, :1] = first
+        out[:, 1:] = torch.from_numpy(rest)
+        return out
+
+    return TreeSpec(
+        tokens=column(root, np.where(keep, np.take_along_axis(token, flat, 1), -1), torch.int64),
+        parents=column(-1, np.where(keep, parent, 0), torch.int64),
+        depths=column(0, np.where(keep, depth, 1), torch.int64),
+        sizes=torch.from_numpy(1 + np.count_nonzero(keep, axis=1).astype(np.int64)),
+        max_depth=min(D, bmax),
+        scores=column(0.0, np.where(keep, np.take_along_axis(scores, flat, 1), np.float32(-np.inf)), torch.float32),
+        ranks=column(0, place + 1, torch.int64),
+        first=column(True, np.take_along_axis(sibling, flat, 1) == 0, torch.bool),
+    )
