@@ -54,34 +54,40 @@ def levels_needed(top: np.ndarray, width: int) -> int:
     return int(done.argmax()) + 1 if done.any() else D
 
 
-def _tie_ids(lp: np.ndarray, t: np.ndarray, k: int) -> np.ndarray:
-    """Ids [F, k] of each row's entries above its k-th value t [F], then its lowest ids equal to t."""
-    above = lp > t[:, None]
-    equal = lp == t[:, None]
-    room = k - np.count_nonzero(above, axis=1)
-    take = above | (equal & (np.cumsum(equal, axis=1) <= room[:, None]))
-    return np.nonzero(take)[1].reshape(-1, k)
+GROUPS_PER_K = 4  # strided groups per wanted token: fewer leave more candidates, more cost a bigger partition
+MIN_GROUPS = 256
+
+
+def _floor(lp: np.ndarray, k: int) -> np.ndarray:
+    """A lower bound [F] on the k-th largest value of each row of lp [F, V], from strided group maxima.
+
+    Group j holds the entries j, j + W, j + 2W, ... of the row (numpy reduces them fastest); k
+    groups have a maximum >= the k-th largest maximum, so k distinct entries do. Rows too short to
+    split get -inf: every entry is a candidate.
+    """
+    F, V = lp.shape
+    W = max(MIN_GROUPS, GROUPS_PER_K * k)
+    if 2 * W > V:
+        return np.full(F, -np.inf, lp.dtype)
+    peaks = lp[:, : V // W * W].reshape(F, V // W, W).max(1)
+    return np.partition(peaks, W - k, axis=1)[:, W - k]
 
 
 def token_topk(lp: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Top-k of log-probs lp [F, V] per row by (value desc, id asc): values and ids [F, k].
 
-    argpartition finds k entries holding the k largest values; which of several entries equal to
-    the k-th value t it keeps is unspecified, so rows with more than k entries >= t (rare without
-    rounded logits) take their tied ids from _tie_ids instead.
+    Every entry at or above the k-th largest value, ties included, is at or above _floor's bound,
+    so sorting just those candidates by (row, value desc, id) is exact. They are usually a few
+    more than k, where torch.topk or a partition would pass over the whole row again.
     """
     F, V = lp.shape
-    if k < V:
-        ids = np.argpartition(lp, V - k, axis=1)[:, V - k :]
-        t = np.take_along_axis(lp, ids, 1).min(1)
-        tied = np.count_nonzero(lp >= t[:, None], axis=1) > k
-        if tied.any():
-            ids[tied] = _tie_ids(lp[tied], t[tied], k)
-    else:
-        ids = np.broadcast_to(np.arange(V), (F, V))
-    vals = np.take_along_axis(lp, ids, 1)
-    order = np.lexsort((ids, -vals), axis=1)
-    return np.take_along_axis(vals, order, 1), np.take_along_axis(ids, order, 1)
+    flat = np.flatnonzero(lp >= _floor(lp, k)[:, None])
+    row = flat // V
+    vals = lp.reshape(-1)[flat]
+    order = np.lexsort((flat, -vals, row))
+    counts = np.bincount(row, minlength=F)
+    pick = order[(np.cumsum(counts) - counts)[:, None] + np.arange(k)]
+    return vals[pick], flat[pick] - V * np.arange(F)[:, None]
 
 
 def _best_first(x: np.ndarray, k: int) -> np.ndarray:
@@ -92,25 +98,31 @@ def _best_first(x: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-x, axis=1, kind="stable")[:, :k]
 
 
+def _at(x: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """x[r, index[r, j]] for 2-d x and index: take_along_axis without its per-call checks."""
+    return x[np.arange(x.shape[0])[:, None], index]
+
+
 def build_levels(tok_lp: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """Each level's top-`width` prefixes from tok_lp [R, D, K] (sorted token log-probs per depth).
 
     Level d is the top-`width` of (level d-1 x the pair list's token ranks), taken in the pair
-    list's tie order. Returns the scores [R, D, width] and each entry's position in the pair list.
+    list's tie order. Returns the scores [R, D*width] (level d's rank-i entry at d*width + i) and
+    each entry's position in the pair list [R, D, width].
     """
     R, D, K = tok_lp.shape
     pair_p, pair_t = pair_list(width, K)
     pair_lp = tok_lp[:, :, pair_t]  # [R, D, C]
+    rows = np.arange(R)[:, None]
     score = np.full((R, width), -np.inf, np.float32)  # level 0: the root alone
     score[:, 0] = 0.0
     scores = np.empty((R, D, width), np.float32)
     picked = np.empty((R, D, width), np.int64)
     for d in range(D):
         cand = score[:, pair_p] + pair_lp[:, d]
-        sel = _best_first(cand, width)
-        score = np.take_along_axis(cand, sel, 1)
-        scores[:, d], picked[:, d] = score, sel
-    return scores, picked
+        picked[:, d] = sel = _best_first(cand, width)
+        scores[:, d] = score = cand[rows, sel]
+    return scores.reshape(R, D * width), picked
 
 
 def build_tree_host(root_tokens: Tensor, draft_logits: Tensor, budget: int | Tensor, width: int) -> TreeSpec:
@@ -127,12 +139,10 @@ def build_tree_host(root_tokens: Tensor, draft_logits: Tensor, budget: int | Ten
     scores, picked = build_levels(tok_lp[:, :D], width)
     pair_p, pair_t = pair_list(width, K)
     sibling = pair_t[picked]  # [R, D, width]
-    token = np.take_along_axis(tok_id[:, :D], sibling, 2)
-    scores = scores.reshape(R, D * width)
+    token = tok_id[np.arange(R)[:, None, None], np.arange(D)[:, None], sibling]
     top = _best_first(scores, width)
-    top_score = np.take_along_axis(scores, top, 1)
-    return assemble_host(root_tokens, scores, pair_p[picked].reshape(R, -1), token.reshape(R, -1), top_score, top,
-                         budget, width, sibling.reshape(R, -1))
+    return assemble_host(root_tokens, scores, pair_p[picked].reshape(R, -1), token.reshape(R, -1),
+                         _at(scores, top), top, budget, width, sibling.reshape(R, -1))
 
 
 def assemble_host(root_tokens: Tensor, scores: np.ndarray, parent_rank: np.ndarray, token: np.ndarray,
@@ -156,27 +166,28 @@ def assemble_host(root_tokens: Tensor, scores: np.ndarray, parent_rank: np.ndarr
     depth = flat // bmax + 1
 
     # Parents: flat index of the parent in the previous level -> its output slot (root = 0).
+    rows = np.arange(R)[:, None]
     slot = np.zeros((R, D * bmax + 1), np.int64)
-    np.put_along_axis(slot, order, rank + 1, 1)
-    parent_flat = (depth - 2) * bmax + np.take_along_axis(parent_rank, flat, 1)
-    parent = np.where(depth > 1, np.take_along_axis(slot, np.maximum(parent_flat, 0), 1), 0)
+    slot[rows, order] = rank + 1
+    parent_flat = (depth - 2) * bmax + parent_rank[rows, flat]
+    parent = np.where(depth > 1, slot[rows, np.maximum(parent_flat, 0)], 0)
 
-    root = root_tokens.to(torch.int64).reshape(R, 1)
-
-    def column(first: Tensor | int | float | bool, rest: np.ndarray, dtype: torch.dtype) -> Tensor:
-        """[first | rest] as a [R, 1 + bmax] tensor of `dtype`."""
-        out = torch.empty(R, 1 + rest.shape[1], dtype=dtype)
-        out[:, :1] = first
-        out[:, 1:] = torch.from_numpy(rest)
-        return out
-
+    roots = root_tokens.reshape(R, 1).cpu().numpy()
     return TreeSpec(
-        tokens=column(root, np.where(keep, np.take_along_axis(token, flat, 1), -1), torch.int64),
-        parents=column(-1, np.where(keep, parent, 0), torch.int64),
-        depths=column(0, np.where(keep, depth, 1), torch.int64),
-        sizes=torch.from_numpy(1 + np.count_nonzero(keep, axis=1).astype(np.int64)),
+        tokens=_after(roots, np.where(keep, token[rows, flat], -1), np.int64),
+        parents=_after(-1, np.where(keep, parent, 0), np.int64),
+        depths=_after(0, np.where(keep, depth, 1), np.int64),
+        sizes=torch.from_numpy(1 + np.count_nonzero(keep, 1).astype(np.int64)),
         max_depth=min(D, bmax),
-        scores=column(0.0, np.where(keep, np.take_along_axis(scores, flat, 1), np.float32(-np.inf)), torch.float32),
-        ranks=column(0, place + 1, torch.int64),
-        first=column(True, np.take_along_axis(sibling, flat, 1) == 0, torch.bool),
+        scores=_after(0.0, np.where(keep, scores[rows, flat], -np.inf), np.float32),
+        ranks=_after(0, place + 1, np.int64),
+        first=_after(True, sibling[rows, flat] == 0, bool),
     )
+
+
+def _after(root: np.ndarray | float | bool, nodes: np.ndarray, dtype: type) -> Tensor:
+    """[root | nodes] as an [R, 1 + N] tensor of `dtype`: the root's column, then the drafted nodes'."""
+    out = np.empty((nodes.shape[0], 1 + nodes.shape[1]), dtype)
+    out[:, :1] = root
+    out[:, 1:] = nodes
+    return torch.from_numpy(out)
