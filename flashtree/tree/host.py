@@ -108,21 +108,22 @@ def build_levels(tok_lp: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray
 
     Level d is the top-`width` of (level d-1 x the pair list's token ranks), taken in the pair
     list's tie order. Returns the scores [R, D*width] (level d's rank-i entry at d*width + i) and
-    each entry's position in the pair list [R, D, width].
+    each entry's position in the pair list [R, D, width]. The loop adds negated log-probs, which
+    rounds to the negated sums exactly, so an ascending stable argsort needs no negation per level.
     """
     R, D, K = tok_lp.shape
     pair_p, pair_t = pair_list(width, K)
-    pair_lp = tok_lp[:, :, pair_t]  # [R, D, C]
+    cost = -tok_lp[:, :, pair_t]  # [R, D, C]
     rows = np.arange(R)[:, None]
-    score = np.full((R, width), -np.inf, np.float32)  # level 0: the root alone
-    score[:, 0] = 0.0
-    scores = np.empty((R, D, width), np.float32)
+    level = np.full((R, width), np.inf, np.float32)  # level 0: the root alone
+    level[:, 0] = -0.0  # negates to +0.0, as the root's score is
+    costs = np.empty((R, D, width), np.float32)
     picked = np.empty((R, D, width), np.int64)
     for d in range(D):
-        cand = score[:, pair_p] + pair_lp[:, d]
-        picked[:, d] = sel = _best_first(cand, width)
-        scores[:, d] = score = cand[rows, sel]
-    return scores.reshape(R, D * width), picked
+        cand = level[:, pair_p] + cost[:, d]
+        picked[:, d] = sel = np.argsort(cand, axis=1, kind="stable")[:, :width]
+        costs[:, d] = level = cand[rows, sel]
+    return -costs.reshape(R, D * width), picked
 
 
 def build_tree_host(root_tokens: Tensor, draft_logits: Tensor, budget: int | Tensor, width: int) -> TreeSpec:
