@@ -1,8 +1,8 @@
 """build_tree's tree computed with numpy, for logits on the CPU.
 
 On the CPU a tensor build is some 300 small ops whose dispatch costs more than their arithmetic,
-and torch.topk over a vocabulary is slower than numpy's partition, so build_tree sends CPU logits
-here whenever it may read them on the host (prune). It follows build.py's tie rule and returns
+and torch.topk passes over the vocabulary more slowly than a bound from group maxima plus one
+compare, so build_tree sends CPU logits here whenever it may read them on the host (prune). It follows build.py's tie rule and returns
 the same TreeSpec bit for bit (tests/test_tree_host.py checks the two on tie-heavy random inputs);
 the log-probs still come from torch.log_softmax, the one step numpy could round differently.
 """
@@ -59,16 +59,16 @@ MIN_GROUPS = 256
 
 
 def _floor(lp: np.ndarray, k: int) -> np.ndarray:
-    """A lower bound [F] on the k-th largest value of each row of lp [F, V], from strided group maxima.
+    """A lower bound [F] on the k-th largest value of each row of lp [F, V].
 
-    Group j holds the entries j, j + W, j + 2W, ... of the row (numpy reduces them fastest); k
-    groups have a maximum >= the k-th largest maximum, so k distinct entries do. Rows too short to
-    split get -inf: every entry is a candidate.
+    From W strided groups (group j: entries j, j + W, j + 2W, ... of the row, which numpy reduces
+    fastest): k groups have a maximum >= the k-th largest group maximum, so k distinct entries do.
+    Rows too short for W groups take their exact k-th value from a partition of the whole row.
     """
     F, V = lp.shape
     W = max(MIN_GROUPS, GROUPS_PER_K * k)
     if 2 * W > V:
-        return np.full(F, -np.inf, lp.dtype)
+        return np.partition(lp, V - k, axis=1)[:, V - k]
     peaks = lp[:, : V // W * W].reshape(F, V // W, W).max(1)
     return np.partition(peaks, W - k, axis=1)[:, W - k]
 
