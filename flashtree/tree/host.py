@@ -2,9 +2,10 @@
 
 On the CPU a tensor build is some 300 small ops whose dispatch costs more than their arithmetic,
 and torch.topk passes over the vocabulary more slowly than a bound from group maxima plus one
-compare, so build_tree sends CPU logits here whenever it may read them on the host (prune). It follows build.py's tie rule and returns
-the same TreeSpec bit for bit (tests/test_tree_host.py checks the two on tie-heavy random inputs);
-the log-probs still come from torch.log_softmax, the one step numpy could round differently.
+compare, so build_tree sends CPU logits here whenever it may read them on the host (prune).
+It follows build.py's tie rule and returns the same TreeSpec bit for bit (tests/test_tree_host.py
+checks the two on tie-heavy random inputs); the log-probs still come from torch.log_softmax, the
+one step numpy could round differently.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def levels_needed(top: np.ndarray, width: int) -> int:
 
 
 GROUPS_PER_K = 4  # strided groups per wanted token: fewer leave more candidates, more cost a bigger partition
-MIN_GROUPS = 256
+MIN_GROUPS = 256  # the group count for small k, where GROUPS_PER_K * k groups would be too few to pay
 
 
 def _floor(lp: np.ndarray, k: int) -> np.ndarray:
