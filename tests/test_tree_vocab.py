@@ -9,6 +9,7 @@ import torch
 import flashtree.tree.build as build
 from flashtree.errors import FlashtreeError
 from flashtree.tree import build_tree, build_tree_reference
+from flashtree.tree.host import token_topk
 
 VOCABS = {"qwen3": 151936, "llama3": 128256, "qwen3.5": 248320}
 
@@ -87,13 +88,17 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_token_topk_equals_old_rule(V):
     """_token_topk returns the old rule's values (same bits) and ids for every planted tie pattern, with
     and without host reads, for k from 1 to 256; V=4096 also covers the tie-count path (k=64, where
-    the margin would leave the CPU topk's partial sort) and the nth-element regime (k=256)."""
+    the margin would leave the CPU topk's partial sort) and the nth-element regime (k=256). So does
+    the numpy build's host.token_topk."""
     for k in (1, 16, 64, 256):
         lp = torch.log_softmax(planted(V, k, seed=V + k), -1).view(3, 4, V)
         want_lp, want_id = old_topk(lp, k)
         for host in (True, False):
             got_lp, got_id = build._token_topk(lp, k, host)
             assert same(got_lp, want_lp) and same(got_id, want_id), (V, k, host)
+        np_lp, np_id = token_topk(lp.view(12, V).numpy(), k)  # the numpy build's
+        assert same(torch.from_numpy(np_lp).view(3, 4, k), want_lp), (V, k)
+        assert same(torch.from_numpy(np_id).view(3, 4, k), want_id), (V, k)
 
 
 def test_margin_overflow_goes_to_the_full_row_pass(monkeypatch):

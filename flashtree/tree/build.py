@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from flashtree.errors import FlashtreeError
+from flashtree.tree.host import build_tree_host, levels_needed, pair_list
 from flashtree.tree.spec import TreeSpec, chain_spec
 
 
@@ -102,41 +103,14 @@ def _tie_fix(lp: Tensor, top_lp: Tensor, top_id: Tensor, t: Tensor) -> tuple[Ten
 
 @functools.lru_cache(maxsize=64)
 def _pairs(width: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """(parent rank p, token rank t) candidates that can still reach a level's top-`width`.
-
-    Every (p', t') with p' <= p, t' <= t scores at least as high and comes first in the tie
-    order, so (p, t) needs (p+1)(t+1) <= width: about width*ln(width) pairs instead of width*k.
-    Listed p-major, so list position follows the level's tie order.
-    """
-    p = torch.arange(width)
-    counts = torch.clamp(width // (p + 1), max=k)
-    starts = torch.cumsum(counts, 0) - counts
-    total = sum(min(width // (q + 1), k) for q in range(width))  # counts.sum(), without a tensor read
-    parent = torch.repeat_interleave(p, counts, output_size=total)
-    token = torch.arange(total) - torch.repeat_interleave(starts, counts, output_size=total)
-    return parent.to(device), token.to(device)
+    """host.pair_list on `device`: the (parent rank, token rank) candidates of a level's top-`width`."""
+    parent, token = pair_list(width, k)
+    return torch.tensor(parent, device=device), torch.tensor(token, device=device)
 
 
 def _levels_needed(tok_lp: Tensor, width: int) -> int:
-    """How many depths can hold a node of any row's top-`width` tree, from one host read of tok_lp [R, D, K].
-
-    The best prefix of each length is the chain of top tokens (float32 rounding is monotone), and
-    a deeper prefix never beats it, so chain[d+1] bounds every prefix longer than d+1. The `width`
-    prefixes "chain of length e, then one of the K = width best tokens at depth e+1" are distinct
-    and scored exactly as the builder scores them; the worst of them is chain[e] + the K-th token.
-    Once chain[d+1] is below the best such floor over e <= d in every row, at least `width`
-    shallower prefixes outrank every deeper one (ties go to the shallower), so levels past d+1
-    cannot change the tree.
-    """
-    top = tok_lp.detach().cpu().numpy()  # per (row, depth): log-probs sorted descending
-    R, D, K = top.shape
-    if K < width:  # fewer than `width` tokens per depth: no cheap floor
-        return D
-    chain = np.add.accumulate(top[:, :, 0], axis=1, dtype=np.float32)  # sequential, in the builder's order
-    parent = np.concatenate([np.zeros((R, 1), np.float32), chain[:, :-1]], 1)
-    floor = np.maximum.accumulate(parent + top[:, :, -1], axis=1)
-    done = (chain[:, 1:] < floor[:, :-1]).all(0)  # [D-1]: nothing past depth d+1 can be placed
-    return int(done.argmax()) + 1 if done.any() else D
+    """host.levels_needed from one host read of tok_lp [R, D, K]: the depths that can hold a node."""
+    return levels_needed(tok_lp.detach().cpu().numpy(), width)
 
 
 def _width(budget: int | Tensor, max_budget: int | None) -> int:
@@ -173,13 +147,25 @@ def build_tree(root_tokens: Tensor, draft_logits: Tensor, budget: int | Tensor, 
     of _token_topk for rows that do not need it. None: only on the CPU, where reads are free. With
     False the build makes no host read and its shapes depend only on (R, D, V, N), as a compiled
     or graph-captured caller needs. The tree is the same either way; pruning may lower max_depth.
+    A pruned build of CPU logits runs in numpy (flashtree.tree.host): on the CPU the tensor build's
+    cost is per-op dispatch on small tensors, not arithmetic.
     """
-    R, D, V = draft_logits.shape
+    V = draft_logits.shape[-1]
     dev = draft_logits.device
     if V > 1 << 24:  # _tie_fix keys token ids as exact float32 integers
         raise FlashtreeError(f"a vocabulary of {V} tokens is too large for the tree builder (at most 2^24)")
     prune = dev.type == "cpu" if prune is None else prune
     bmax = _width(budget, max_budget)
+    if prune and dev.type == "cpu":
+        return build_tree_host(root_tokens, draft_logits, budget, bmax)
+    return build_tree_tensor(root_tokens, draft_logits, budget, bmax, prune)
+
+
+def build_tree_tensor(root_tokens: Tensor, draft_logits: Tensor, budget: int | Tensor, bmax: int,
+                      prune: bool) -> TreeSpec:
+    """build_tree as tensor ops on the logits' device, for a checked bound bmax on the budget."""
+    R, D, V = draft_logits.shape
+    dev = draft_logits.device
     K = min(bmax, V)
     lp = torch.log_softmax(draft_logits.float(), dim=-1)
     tok_lp, tok_id = _token_topk(lp, K, host=prune)  # [R, D, K]
