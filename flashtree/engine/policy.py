@@ -35,7 +35,6 @@ OWN_ROUNDS = 2  # a request's own level counts n / (n + OWN_ROUNDS) against its 
 KNOWN = 8  # rows measured before an arm's shape is trusted without exploring it
 STALE = 300  # rounds of its class after which an arm not measured since is explored again, once
 PRIOR_ROWS = 8  # the weight, in rows, of the level's and the chain's priors
-DEPTH_ROWS = 4  # the weight, in rows, of the chain's pooled stop rate at each depth
 SETTLE_ROWS = 32  # rows measured before a class whose drafts do not pay seats requests plain
 EXPLORE, PROBE = 0.05, 0.02  # exploration credit: of the time drafting saved, and of all round time
 FACTOR_RATE = 0.1  # EMA weight of a timed round in its arm's cost factor
@@ -122,9 +121,8 @@ class ClassStats:
         self.level, self.level_rows = BASE / 2, 0.0
         self.kept = np.zeros(arms)  # per tree: average accepted drafted tokens ...
         self.paired = np.zeros(arms)  # ... and average base + P on the same rows
-        self.reached = np.zeros(depth)  # the chain: rows that reached each depth ...
-        self.stopped = np.zeros(depth)  # ... and stopped there
-        self.hazard = 1 / (depth / 2 + 1)  # the prior's chance to stop at a depth: about half kept
+        self.reached = np.full(depth, float(PRIOR_ROWS))  # the chain: rows that reached each depth ...
+        self.stopped = self.reached / (depth / 2 + 1)  # ... and stopped there (prior: ~half kept)
         self.shape = np.full(arms, np.nan)  # per arm, accepted / (base + P)
         self.rows = np.zeros(arms)  # rows each arm's shape rests on (the prior not counted)
         self.seen = np.zeros(arms)  # the class's round when each arm was last measured
@@ -154,11 +152,7 @@ class ClassStats:
         self.seen[-1] = self.round
 
     def _chain_shape(self) -> None:
-        # Each depth's stop rate leans on the rate pooled over all depths, and that on the prior:
-        # rows that stop at the first nodes then say the deeper ones will not keep half either.
-        pooled = (self.stopped.sum() + PRIOR_ROWS * self.hazard) / (self.reached.sum() + PRIOR_ROWS)
-        hazard = (self.stopped + DEPTH_ROWS * pooled) / (self.reached + DEPTH_ROWS)
-        self.shape[-1] = np.cumprod(1 - hazard).sum() / (self.level + P)
+        self.shape[-1] = np.cumprod(1 - self.stopped / self.reached).sum() / (self.level + P)
 
     def leveled(self, base: float) -> None:
         self.level += max(LEVEL_RATE, 1.0 / (1.0 + PRIOR_ROWS + self.level_rows)) * (base - self.level)
