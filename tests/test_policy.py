@@ -158,7 +158,7 @@ def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float, s
     accepted = [0] * len(reqs)
     measured = None
     if plan.tree_rows:
-        counts = [float(curve[min(b, D) - 1]) for b in policy.sizes[: plan.measure]]
+        counts = [float(curve[min(b, D) - 1]) for b in policy.grid[: plan.measure]]
         measured = [(counts, float(curve[-1]), False)] * plan.drafting
         for i in plan.draft_rows:
             accepted[i] = round(counts[-1])
@@ -289,10 +289,10 @@ def test_tree_rounds_measure_every_smaller_tree_for_the_class():
     policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
     reqs = _requests(2)
     policy.plan(reqs)  # seats them
-    plan = policy.arm_plan(policy.sizes.index(32), 2)
+    plan = policy.arm_plan(policy.grid.index(32), 2)
     _feed(policy, plan, reqs, accept=0.9)
     st = policy.classes[0]
-    j = policy.sizes.index(32)
+    j = policy.grid.index(32)
     assert (st.rows[: j + 1] > 1.9).all() and (st.rows[j + 1 : -1] == 0).all()  # two rows each (fading)
     assert st.rows[policy.chain_arm] == 2
 
@@ -302,7 +302,7 @@ def test_a_shape_predicts_the_mean_kept_where_rounds_keep_all_or_little():
     keep 0 (base 0). At the class's level the shape predicts the mean kept, 7.5 (an average of
     per-round ratios would predict 4.3)."""
     policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
-    st, arm = policy._stats(0), policy.sizes.index(64)
+    st, arm = policy._stats(0), policy.grid.index(64)
     for i in range(2000):
         kept = 15 if i % 2 else 0
         st.measured(arm, kept, min(kept, 3))
@@ -362,12 +362,12 @@ def test_exploration_plays_the_largest_thin_tree_only():
     st = policy.classes[0]
     st.rows[policy.chain_arm] = 100  # the chain is known; every tree is thin
     st.credit = 10.0
-    assert policy.plan(reqs).arm == policy.sizes.index(64)
+    assert policy.plan(reqs).arm == policy.grid.index(64)
     # Credit between what a tree of 2 and the tree of 64 are predicted to lose: no exploration.
     ar_seconds, table = policy.seconds(1)
     gains, _ = policy.expected([0], np.array([st.level]))
     best = max(1 / ar_seconds, policy._best(gains, table, 1)[2])
-    loss = {b: table[policy.sizes.index(b), 1] - (1 + gains[0, policy.sizes.index(b)]) / best for b in (2, 64)}
+    loss = {b: table[policy.grid.index(b), 1] - (1 + gains[0, policy.grid.index(b)]) / best for b in (2, 64)}
     assert loss[2] < loss[64]
     st.credit = (max(loss[2], 0.0) + loss[64]) / 2
     plan = policy.plan(reqs)
@@ -387,7 +387,7 @@ def test_a_new_request_on_ar_steps_is_probed_once_with_the_chain():
         ar_seconds, table = policy.seconds(1)
         probe_loss = table[policy.chain_arm, 1] - ar_seconds  # at most what the probe costs over an AR step
         policy.classes[0].credit = probe_loss * 1.01  # enough for it, short of exploring the tree of 64
-        assert table[policy.sizes.index(64), 1] - ar_seconds > policy.classes[0].credit
+        assert table[policy.grid.index(64), 1] - ar_seconds > policy.classes[0].credit
         new[0].output_ids = [5] * (PROBE_TOKENS - 1)
         assert policy.plan(new).drafting == 0  # too early: a request's first rounds keep little
         new[0].output_ids = [5] * PROBE_TOKENS

@@ -167,7 +167,6 @@ class Policy:
         self.cost = cost
         self.depth = block_size - 1
         self.grid = [b for b in GRID if b < max_budget] + [max_budget]
-        self.sizes = self.grid  # tree sizes by_size decodes (the runner's path codes)
         self.chain_arm = len(self.grid)
         self.cap = np.minimum(np.append(self.grid, self.depth), self.depth)  # the most each arm can keep
         self.windows = np.append(self.grid, self.depth) + 1.0  # each arm's verify window

@@ -542,7 +542,7 @@ class ModelRunner:
         """Fold in a round: its accepted tokens (per tree size, from a tree round's path codes) and
         its seconds, less those of appending held-back drafter context (held: seconds, tokens),
         which the AR steps that parked it cost, not this round's arm."""
-        measured = [by_size(paths[i], self.policy.sizes[: plan.measure]) for i in plan.draft_rows] \
+        measured = [by_size(paths[i], self.policy.grid[: plan.measure]) for i in plan.draft_rows] \
             if plan.measure else None
         seconds -= held[0]
         self.policy.observe(plan, slots, [c - 1 for c in counts], measured, seconds)
