@@ -22,7 +22,7 @@ from flashtree.engine.sequence import Request
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree
 from flashtree.tree.budget import truncate
 from flashtree.tree.mix import place_rows, root_only
-from tiny import make_drafter, make_target
+from tiny import make_drafter, make_target, synthetic_cost
 
 FIELDS = ("tokens", "parents", "depths", "sizes", "scores")
 
@@ -130,15 +130,6 @@ def test_a_verified_tree_measures_every_smaller_one_and_the_chain():
 
 # ---- the policy on synthetic costs --------------------------------------------------------
 
-def _cost(per_node: float, fixed: float = 0.010, draft: float = 0.004, rows: int = 16) -> CostModel:
-    windows = [1, 2, 3, 5, 9, 17, 33, 65]
-    rs = [1, rows]
-    verify = Grid(rs, windows, [[fixed + per_node * r * n for n in windows] for r in rs])
-    return CostModel(verify, Grid(rs, [0, 15], [[draft * r, draft * r * 1.2] for r in rs]),
-                     Grid([1, rows], [4, 64], [[1e-4, 2e-4], [1e-4 * rows, 2e-4 * rows]]),
-                     Grid(rs, [0, 1], [[0, 0], [0, 0]]), {"rows": rows, "window": 65, "budget": 64})
-
-
 def _requests(n: int, temperature: float = 0.0, first: int = 0, tokens: int = PROBE_TOKENS) -> list[Request]:
     """n requests in slots first.., each `tokens` into its output (by default past the first round
     after its prompt, which teaches only the request)."""
@@ -180,10 +171,10 @@ def test_a_fresh_policy_starts_from_the_chain_or_ar_as_the_cost_model_says():
     """No evidence yet: the first rounds play the chain where the cost model says it pays with
     half its depth kept, AR steps where it does not; never an exploration tree, whatever the batch."""
     for batch in (1, 8, 16):
-        cheap = Policy(_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)  # a chain round costs little more than AR
+        cheap = Policy(synthetic_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)  # a chain round costs little more than AR
         plans = _run(cheap, _requests(batch), accept=0.9, rounds=4)
         assert plans[0].modes == [CHAIN] * batch, batch
-        dear = Policy(_cost(2e-2, draft=0.2), 16, 16, 64, 4096)  # a chain round costs 10x an AR step
+        dear = Policy(synthetic_cost(2e-2, draft=0.2), 16, 16, 64, 4096)  # a chain round costs 10x an AR step
         plans = _run(dear, _requests(batch), accept=0.9, rounds=4)
         assert all(p.modes == [AR] * batch for p in plans), batch
 
@@ -224,13 +215,13 @@ def test_a_fresh_engine_at_batch_8_picks_no_tree_wider_than_pays(tmp_path):
 def test_measured_acceptance_moves_the_plan_with_cost_and_batch():
     """Cheap verify nodes and high acceptance: trees; the same acceptance at batch 16 on dearer
     nodes buys a smaller window; nothing accepted: AR steps."""
-    rich = Policy(_cost(1e-5), 16, 16, 64, 4096)
+    rich = Policy(synthetic_cost(1e-5), 16, 16, 64, 4096)
     plans = _run(rich, _requests(1), accept=0.95, rounds=400)
     assert plans[-1].drafting == 1 and plans[-1].window >= 16
-    busy = Policy(_cost(1e-4), 16, 16, 64, 4096)
+    busy = Policy(synthetic_cost(1e-4), 16, 16, 64, 4096)
     plans_busy = _run(busy, _requests(16), accept=0.95, rounds=400)
     assert plans_busy[-1].window < plans[-1].window
-    dead = Policy(_cost(1e-4), 16, 16, 64, 4096)
+    dead = Policy(synthetic_cost(1e-4), 16, 16, 64, 4096)
     plans = _run(dead, _requests(4), accept=0.0, rounds=200)
     assert sum(p.drafting > 0 for p in plans[100:]) <= 2
 
@@ -238,7 +229,7 @@ def test_measured_acceptance_moves_the_plan_with_cost_and_batch():
 def test_exploration_costs_at_most_its_probe_share_where_nothing_pays():
     """Drafts never accepted: the time spent on drafting rounds after the first chain rounds is
     paid from PROBE of the time, a few percent at most."""
-    policy = Policy(_cost(1e-4), 16, 16, 64, 4096)
+    policy = Policy(synthetic_cost(1e-4), 16, 16, 64, 4096)
     reqs = _requests(4)
     plans = _run(policy, reqs, accept=0.0, rounds=2000)
     ar_seconds = policy.seconds(4)[0]
@@ -254,8 +245,8 @@ def test_a_uniform_batch_is_planned_as_the_per_row_path_plans_it(monkeypatch):
 
     monkeypatch.setattr(policy_module, "EXPLORE", 0.0)
     monkeypatch.setattr(policy_module, "PROBE", 0.0)
-    one = Policy(_cost(3e-5), 16, 16, 64, 4096)
-    two = Policy(_cost(3e-5), 16, 16, 64, 4096)
+    one = Policy(synthetic_cost(3e-5), 16, 16, 64, 4096)
+    two = Policy(synthetic_cost(3e-5), 16, 16, 64, 4096)
     uniform = _requests(6)
     mixed = _requests(3, temperature=0.0) + _requests(3, temperature=0.5, first=3)
     warm = _requests(1, first=10)
@@ -272,7 +263,7 @@ def test_a_uniform_batch_is_planned_as_the_per_row_path_plans_it(monkeypatch):
 def test_a_mixed_batch_drafts_only_the_rows_that_pay():
     """Greedy rows whose drafts are kept and sampled rows whose drafts never are: the plan drafts
     the greedy rows and leaves the others on AR steps in the same round."""
-    policy = Policy(_cost(3e-5), 16, 16, 64, 4096)
+    policy = Policy(synthetic_cost(3e-5), 16, 16, 64, 4096)
     greedy, sampled = _requests(4), _requests(4, temperature=1.0, first=4)
     _run(policy, greedy, accept=0.9, rounds=80)
     _run(policy, sampled, accept=0.0, rounds=200)
@@ -286,7 +277,7 @@ def test_a_mixed_batch_drafts_only_the_rows_that_pay():
 def test_tree_rounds_measure_every_smaller_tree_for_the_class():
     """One round of a tree of 32 gives the class a measured shape for every size up to it, and the
     chain a measured run along the tree's spine."""
-    policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
+    policy = Policy(synthetic_cost(1e-5), 16, 16, 64, 4096)
     reqs = _requests(2)
     policy.plan(reqs)  # seats them
     plan = policy.arm_plan(policy.grid.index(32), 2)
@@ -301,7 +292,7 @@ def test_a_shape_predicts_the_mean_kept_where_rounds_keep_all_or_little():
     """A tree at T = 0 keeps everything or almost nothing: half its rounds keep 15 (base 3), half
     keep 0 (base 0). At the class's level the shape predicts the mean kept, 7.5 (an average of
     per-round ratios would predict 4.3)."""
-    policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
+    policy = Policy(synthetic_cost(1e-5), 16, 16, 64, 4096)
     st, arm = policy._stats(0), policy.grid.index(64)
     for i in range(2000):
         kept = 15 if i % 2 else 0
@@ -315,7 +306,7 @@ def test_the_chain_is_measured_along_tree_spines_where_they_end_first():
     show its run only up to their spine's end, 6 nodes deep here; the survival by depth still
     predicts 7.2 at the class's level, where the runs as seen average under 3."""
     rng = np.random.default_rng(0)
-    policy = Policy(_cost(1e-5), 16, 16, 64, 4096)
+    policy = Policy(synthetic_cost(1e-5), 16, 16, 64, 4096)
     st = policy._stats(0)
     seen = []
     for i in range(4000):
@@ -335,7 +326,7 @@ def test_a_requests_opening_has_statistics_of_its_own():
     """Openings (a request's first PROBE_TOKENS tokens, right after its prompt) that keep nothing
     put new requests' openings on AR steps, while the same class's later rounds, which keep
     much, go on drafting the moment a request leaves its opening."""
-    policy = Policy(_cost(3e-4, draft=0.03), 16, 16, 64, 4096)  # the chain pays from ~4 tokens kept
+    policy = Policy(synthetic_cost(3e-4, draft=0.03), 16, 16, 64, 4096)  # the chain pays from ~4 tokens kept
     opening = _requests(2, tokens=0)
     for _ in range(20):
         policy.plan(opening)  # seats them
@@ -356,7 +347,7 @@ def test_exploration_plays_the_largest_thin_tree_only():
     """With credit to spare and no tree measured, the exploration round is the largest tree that
     fits (it measures every smaller one); short of the credit for it, no smaller tree is played
     instead."""
-    policy = Policy(_cost(3e-4), 16, 16, 64, 4096)
+    policy = Policy(synthetic_cost(3e-4), 16, 16, 64, 4096)
     reqs = _requests(1)
     policy.plan(reqs)
     st = policy.classes[0]
@@ -379,7 +370,7 @@ def test_a_new_request_on_ar_steps_is_probed_once_with_the_chain():
     chain once after its first PROBE_TOKENS tokens (an exploration, paid from credit), and what
     it keeps decides its next rounds: all kept, it goes on drafting; nothing kept, AR steps."""
     for accept, drafts_on in ((0.95, True), (0.0, False)):
-        policy = Policy(_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
+        policy = Policy(synthetic_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
         _run(policy, _requests(1), accept=0.0, rounds=400)
         _run(policy, _requests(1, first=1, tokens=0), accept=0.0, rounds=400)  # openings too
         assert policy.plan(_requests(1, tokens=0)).drafting == 0
@@ -401,7 +392,7 @@ def test_a_class_seats_plain_only_if_none_of_its_recent_requests_would_draft():
     """A class whose average request does not pay still seats new requests speculative while
     one of its recent requests kept enough to pay; once its recent requests all kept nothing,
     new ones are seated plain (all but the scouts)."""
-    policy = Policy(_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
+    policy = Policy(synthetic_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
     _run(policy, _requests(1), accept=0.0, rounds=8000)
     st = policy.classes[0]
     assert st.level_rows >= SETTLE_ROWS and not policy.admit(SamplingParams(), 1)
@@ -414,7 +405,7 @@ def test_a_class_seats_plain_only_if_none_of_its_recent_requests_would_draft():
 def test_frozen_costs_plan_alike_whatever_each_rank_timed():
     """Tensor parallelism freezes the cost model: two policies fed the same rounds with different
     wall times (each rank's own) make the same plans."""
-    a, b = Policy(_cost(3e-5), 16, 16, 64, 4096), Policy(_cost(3e-5), 16, 16, 64, 4096)
+    a, b = Policy(synthetic_cost(3e-5), 16, 16, 64, 4096), Policy(synthetic_cost(3e-5), 16, 16, 64, 4096)
     a.cost.frozen = b.cost.frozen = True
     reqs = _requests(4)
     for i in range(200):
@@ -426,12 +417,12 @@ def test_frozen_costs_plan_alike_whatever_each_rank_timed():
 
 def test_a_settled_class_seats_plain_requests_but_scouts():
     """A class measured where no arm pays: new requests are seated plain, all but one in SCOUT."""
-    policy = Policy(_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
+    policy = Policy(synthetic_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
     _run(policy, _requests(4), accept=0.0, rounds=8000)
     assert policy.classes[0].level_rows >= SETTLE_ROWS
     seated = [policy.admit(SamplingParams(), 4) for _ in range(4 * SCOUT)]
     assert sum(seated) == 4
-    fresh = Policy(_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
+    fresh = Policy(synthetic_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
     assert all(fresh.admit(SamplingParams(), 4) for _ in range(SCOUT))  # nothing measured: all may draft
 
 
@@ -489,7 +480,7 @@ def test_ar_when_acceptance_collapses(tmp_path, monkeypatch):
     ref = LLM(str(target), None, method="ar", device="cpu", max_model_len=128).generate(prompts, params)
     llm = LLM(str(target), str(drafter), device="cpu", max_model_len=128, max_batch=4, max_budget=32)
     runner = llm.engine.runner
-    runner.policy.cost = _cost(2e-4, rows=4)
+    runner.policy.cost = synthetic_cost(2e-4, rows=4)
     runner.policy.cost.frozen = True  # prices stay the synthetic model's
     calls: list[int] = []
     forward = runner.drafter.forward
@@ -549,7 +540,7 @@ def test_settled_class_seats_requests_the_drafter_never_sees(tmp_path, monkeypat
     engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", max_model_len=96,
                                     max_batch=2, max_budget=32))
     runner = engine.runner
-    runner.policy.cost = _cost(2e-3, rows=2)
+    runner.policy.cost = synthetic_cost(2e-3, rows=2)
     runner.policy.cost.frozen = True
     context_slots: list[int] = []
     add_context = runner.drafter.add_context
@@ -817,7 +808,7 @@ def test_keys_past_the_tables_context_are_priced_per_row_node_and_drafting_row()
     """The tables hold rows CONTEXT keys deep; a round over deeper rows costs its measured seconds
     per key for each verify row and node and each drafting row, the policy prices plans with it,
     and a round that took exactly its deeper prediction leaves the tables as they were."""
-    cost = _cost(1e-4)
+    cost = synthetic_cost(1e-4)
     cost.keys = (2e-7, 1e-7, 5e-7)
     deep = cost_model.CONTEXT + 500
     for rows, window, drafting in ((1, 1, 0), (4, 16, 2), (8, 9, 8)):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from flashtree.engine.cost_model import CostModel, Grid
 from flashtree.models.dflash import DFlashArgs, DFlashDrafter, save_drafter
 
 
@@ -131,3 +132,13 @@ def add_mtp(path: Path, kind: str, seed: int = 0, drop: str | None = None, resha
             index["weight_map"].update({k: file for k in f.keys()})
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     return tensors
+
+
+def synthetic_cost(per_node: float, fixed: float = 0.010, draft: float = 0.004, rows: int = 16) -> CostModel:
+    """A cost model with a round costing fixed + per_node x verified nodes, plus draft x drafting rows."""
+    windows = [1, 2, 3, 5, 9, 17, 33, 65]
+    rs = [1, rows]
+    verify = Grid(rs, windows, [[fixed + per_node * r * n for n in windows] for r in rs])
+    return CostModel(verify, Grid(rs, [0, 15], [[draft * r, draft * r * 1.2] for r in rs]),
+                     Grid([1, rows], [4, 64], [[1e-4, 2e-4], [1e-4 * rows, 2e-4 * rows]]),
+                     Grid(rs, [0, 1], [[0, 0], [0, 0]]), {"rows": rows, "window": 65, "budget": 64})
