@@ -195,18 +195,25 @@ def tree_attention_timing(deadline: Deadline, report: dict, shrunk: bool) -> Non
     report["tree_attention"] = rows
 
 
-def tree_attention_table(rows: list[dict]) -> list[str]:
-    lines = ["| context | nodes | rows | old ms | new ms | new / old | old mask ms | new mask ms | max diff |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def md_table(columns: list[str], rows: list[dict], head, measured: str, cells) -> list[str]:
+    """Markdown rows: head(row)'s cells, then cells(row)'s, or the row's skip or error where it has
+    no `measured` entry (a timed-out or failed point is a result here too)."""
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for r in rows:
-        head = f"| {r['context']} | {r['nodes']} | {r['rows']}{' uneven' if r.get('uneven') else ''} |"
-        if "old_layer_ms" not in r:
-            lines.append(f"{head} {r.get('skipped') or r.get('error')} | | | | | |")
-            continue
-        lines.append(f"{head} {r['old_layer_ms']:.3f} | {r['new_layer_ms']:.3f} | "
-                     f"{r['new_layer_ms'] / r['old_layer_ms']:.2f} | {r['old_mask_ms']:.3f} | {r['new_mask_ms']:.3f} | "
-                     f"{r['max_abs_diff']:.1e} |")
+        rest = cells(r) if measured in r else [str(r.get("skipped") or r.get("error"))]
+        rest += [""] * (len(columns) - len(head(r)) - len(rest))
+        lines.append("| " + " | ".join(head(r) + rest) + " |")
     return lines
+
+
+def tree_attention_table(rows: list[dict]) -> list[str]:
+    return md_table(["context", "nodes", "rows", "old ms", "new ms", "new / old", "old mask ms", "new mask ms",
+                     "max diff"], rows,
+                    lambda r: [str(r["context"]), str(r["nodes"]), f"{r['rows']}{' uneven' if r.get('uneven') else ''}"],
+                    "old_layer_ms",
+                    lambda r: [f"{r['old_layer_ms']:.3f}", f"{r['new_layer_ms']:.3f}",
+                               f"{r['new_layer_ms'] / r['old_layer_ms']:.2f}", f"{r['old_mask_ms']:.3f}",
+                               f"{r['new_mask_ms']:.3f}", f"{r['max_abs_diff']:.1e}"])
 
 
 # ---- 3: Qwen3-8B-shaped random weights -------------------------------------------------------------
@@ -348,16 +355,12 @@ def qwen3_8b_checks(deadline: Deadline, report: dict, workdir: Path) -> None:
 
 
 def stage_table(rows: list[dict]) -> list[str]:
-    lines = ["| captured | batch | method | budget | round ms | x AR step | x bandwidth floor | tok/s | capture s |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        head = f"| {'yes' if r['captured'] else 'no'} | {r['batch']} | {r['method']} | {r['budget']} |"
-        if "round_ms" not in r:
-            lines.append(f"{head} {r.get('skipped') or r.get('error')} | | | | |")
-            continue
-        lines.append(f"{head} {r['round_ms']:.2f} | {r.get('x_ar_step', float('nan')):.2f} | "
-                     f"{r.get('x_floor', float('nan')):.2f} | {r['tok_s']:.1f} | {r['capture_s']:.1f} |")
-    return lines
+    return md_table(["captured", "batch", "method", "budget", "round ms", "x AR step", "x bandwidth floor", "tok/s",
+                     "capture s"], rows,
+                    lambda r: ["yes" if r["captured"] else "no", str(r["batch"]), str(r["method"]), str(r["budget"])],
+                    "round_ms",
+                    lambda r: [f"{r['round_ms']:.2f}", f"{r.get('x_ar_step', float('nan')):.2f}",
+                               f"{r.get('x_floor', float('nan')):.2f}", f"{r['tok_s']:.1f}", f"{r['capture_s']:.1f}"])
 
 
 # ---- the report ---------------------------------------------------------------------------------------

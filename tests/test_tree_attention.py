@@ -17,8 +17,8 @@ from flashtree.models.loader import load_target
 from flashtree.models.mask import additive, tree_window_mask
 from flashtree.models.tree_attention import _math, tree_parts
 from flashtree.tree import TreeSpec, ancestor_mask
-from tests.test_qwen3_5 import make_qwen35
-from tests.tiny import make_drafter, make_target
+from tests.test_captured import pairs  # noqa: F401 (the dense and hybrid pairs' fixture)
+from tests.tiny import make_target
 
 CPU = torch.device("cpu")
 F64 = torch.float64
@@ -125,17 +125,7 @@ def test_a_target_forward_takes_the_path_where_the_rule_says(tmp_path, monkeypat
         torch.testing.assert_close(model(spec.tokens, captured).logits, ref, rtol=0, atol=1e-10)
 
 
-VOCAB = 16
 PROMPTS = [[1, 2, 3], [4], list(range(1, 15)) * 2, [7, 7, 7, 7, 7, 7, 9]]
-
-
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lse")
-    dense = make_target(root / "dense", vocab=VOCAB, logit_scale=3.0)
-    hybrid, _ = make_qwen35(root / "hybrid", vocab_size=VOCAB, logit_scale=4.0)
-    drafter = make_drafter(root / "drafter", target_layers=4, vocab=VOCAB, block_size=8)
-    return {"dense": (str(dense), str(drafter)), "hybrid": (str(hybrid), str(drafter))}
 
 
 def generate(pair, method: str, budget: int, captured: bool = False) -> list[list[int]]:
