@@ -7,7 +7,8 @@ The speculation policy prices every plan with four tables:
   tree(rows, budget)       building `rows` top-budget trees;
   overhead(rows, drafting) the rest of a round: walk, the one read, commits, the drafter's context.
 The tables hold rows CONTEXT keys deep; longer contexts add `keys` seconds per row and key (plus
-per row, node and key in the verify), since attention reads every committed key. Each is a grid over bucket points, interpolated linearly and extrapolated along its last slope.
+per row, node and key in the verify), since attention reads every committed key. Each table is a
+grid over bucket points, interpolated linearly and extrapolated along its last slope.
 Startup times the points that matter most within a time budget and derives the rest: a dense
 forward costs mostly by the tokens it processes, so verify(R, N) ~ verify(1, R*N) + [verify(R, 1) -
 verify(1, R)], corrected by what was measured at the largest batch. Each round the runner times

@@ -10,9 +10,11 @@ cost model's table times a factor per arm that timed rounds keep current. Rows j
 set in order of gain while each pays its share (a batch verifies one window for all its rows).
 
 A class with nothing measured plays the chain if the cost model says it pays with half its depth
-kept, else AR steps. Exploration (an arm measured in few rows, or not lately) and one probe of
-each request on AR steps are paid from a credit of EXPLORE of the time drafting saved plus PROBE
-of all time, so where drafting never pays they cost about PROBE. docs/performance.md says why.
+kept, else AR steps. A request's opening (its first PROBE_TOKENS tokens, right after the prompt)
+reads and teaches statistics of its own, and plays the chain or AR steps only. Exploration (an
+arm measured in few rows, or not lately) and one probe of each request on AR steps are paid from
+a credit of EXPLORE of the time drafting saved plus PROBE of all time, so where drafting never
+pays they cost about PROBE. docs/performance.md says why.
 """
 
 from __future__ import annotations
