@@ -14,7 +14,6 @@ import torch
 
 from flashtree import LLM, EngineConfig, LLMEngine, SamplingParams
 from flashtree.engine import cost_model
-from flashtree.engine.cost_model import CostModel, Grid
 from flashtree.engine.policy import (AR, CHAIN, PROBE, PROBE_TOKENS, SCOUT, SETTLE_ROWS, Policy, RoundPlan, by_size,
                                      fixed_plan)
 from flashtree.engine.runner import path_codes

@@ -19,7 +19,6 @@ import dataclasses
 import time
 from contextlib import contextmanager
 
-import numpy as np
 import torch
 from torch import Tensor
 
