@@ -827,6 +827,35 @@ def test_keys_past_the_tables_context_are_priced_per_row_node_and_drafting_row()
     assert np.allclose(cost.verify.values, before[0]) and np.allclose(cost.draft.values, before[1])
 
 
+def test_sampled_rows_pay_their_noise_per_node_and_position(pair):
+    """The tables time a greedy verify; a sampled row adds the seeded noise over the vocabulary at
+    each node and position (on the CPU 20x the argmax). Startup measures it, plans price it, a round
+    that took its sampled prediction leaves the tables alone, and where the noise costs more than
+    the chain saves, a sampled batch takes AR steps while a greedy one drafts."""
+    target, drafter = pair
+    engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", max_model_len=64,
+                                    max_budget=16, cost_cache="off"))
+    assert all(c >= 0 for c in engine.runner.policy.cost.sample) and sum(engine.runner.policy.cost.sample) > 0
+    cost = synthetic_cost(1e-4, draft=1e-3)
+    cost.sample = (1e-4, 2e-4, 1e-3)
+    policy = Policy(cost, 16, 16, 64, 4096)
+    ar0, table0 = policy.seconds(4)
+    ar, table = policy.seconds(4, sampled=3)
+    assert ar == pytest.approx(ar0 + 3 * 1e-4)
+    chain = policy.arm_plan(policy.chain_arm, 4)
+    assert table[policy.chain_arm, 2] == pytest.approx(table0[policy.chain_arm, 2] + 3 * (1e-4 + 15 * 2e-4 + 15 * 1e-3))
+    assert cost.round_seconds(4, chain.window, 2, chain.depth, 0, 0, sampled=3) == pytest.approx(
+        table[policy.chain_arm, 2])
+    before = cost.verify.values.copy()
+    stages = {"verify": float(cost.verify(4, 16)) + cost.sampling(3, 16, 16), "draft_pass": float(cost.draft(4, 15)),
+              "tree": 0.0}
+    cost.refine(4, 16, 4, 15, 0, 0, stages, stages["verify"] + stages["draft_pass"], sampled=3)
+    assert np.allclose(cost.verify.values, before)
+    greedy = _run(Policy(cost, 16, 16, 64, 4096), _requests(4), accept=0.9, rounds=3)
+    sampled = _run(Policy(cost, 16, 16, 64, 4096), _requests(4, temperature=1.0), accept=0.9, rounds=3)
+    assert greedy[0].modes == [CHAIN] * 4 and all(p.modes == [AR] * 4 for p in sampled)
+
+
 def test_tree_costs_follow_their_measured_points():
     """The tree table is the tree builds' own timings (interpolated), whatever the chain build took."""
     v = {(r, n): 1e-3 * r * n for r in (1, 4) for n in (1, 2, 3, 5)}

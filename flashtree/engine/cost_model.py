@@ -7,7 +7,9 @@ The speculation policy prices every plan with four tables:
   tree(rows, budget)       building `rows` top-budget trees;
   overhead(rows, drafting) the rest of a round: walk, the one read, commits, the drafter's context.
 The tables hold rows CONTEXT keys deep; longer contexts add `keys` seconds per row and key (plus
-per row, node and key in the verify), since attention reads every committed key. Each table is a
+per row, node and key in the verify), since attention reads every committed key. The verify is
+timed greedy: a sampled row adds `sample` seconds (its first node, each further node, each
+further distinct position), the seeded noise over the vocabulary (on the CPU 20x the argmax). Each table is a
 grid over bucket points, interpolated linearly and extrapolated along its last slope.
 Startup times the points that matter most within a time budget and derives the rest: a dense
 forward costs mostly by the tokens it processes, so verify(R, N) ~ verify(1, R*N) + [verify(R, 1) -
@@ -30,8 +32,10 @@ import numpy as np
 import torch
 
 from flashtree.models.context import ForwardContext, SlotBatch
+from flashtree.sampler import SamplingBatch, pick
+from flashtree.sampling import SamplingParams
 
-FORMAT = 3  # bump when the tables change meaning: older cache files are then re-measured
+FORMAT = 4  # bump when the tables change meaning: older cache files are then re-measured
 WINDOWS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025)
 TREE_BUDGETS = (4, 16, 64, 256, 1024)
 DEFAULT_SECONDS = 1.8  # startup measurement time budget
@@ -125,10 +129,11 @@ class CostModel:
     """The four tables, the round-time prediction for a plan, and online refinement."""
 
     def __init__(self, verify: Grid, draft: Grid, tree: Grid, overhead: Grid, coverage: dict,
-                 source: str = "measured", seconds: float = 0.0, keys: tuple[float, float, float] = (0.0, 0.0, 0.0)
-                 ) -> None:
+                 source: str = "measured", seconds: float = 0.0, keys: tuple[float, float, float] = (0.0, 0.0, 0.0),
+                 sample: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
         self.verify, self.draft, self.tree, self.overhead = verify, draft, tree, overhead
         self.keys = keys  # seconds per key past CONTEXT: per verify row, per verify node, per drafting row
+        self.sample = sample  # seconds a sampled row adds: its first node, each further node and position
         self.coverage = coverage  # the largest rows / window / budget measured
         self.source = source  # "measured" at this start, or "cache"
         self.seconds = seconds  # the startup measurement's wall time (0 from the cache)
@@ -139,8 +144,9 @@ class CostModel:
     # ---- prediction ------------------------------------------------------------------------
 
     def round_seconds(self, rows: int, window: int, drafting: int, depth: int, tree_rows: int,
-                      budget: int, keys: int = CONTEXT) -> float:
+                      budget: int, keys: int = CONTEXT, sampled: int = 0) -> float:
         t = float(self.verify(rows, window)) + float(self.overhead(rows, 1 if drafting else 0))
+        t += self.sampling(sampled, window, min(window, depth + 1))
         if drafting:
             t += float(self.draft(drafting, depth))
             if tree_rows:
@@ -155,21 +161,29 @@ class CostModel:
         extra = keys - CONTEXT
         return (per_row + per_node * window) * rows * extra, per_draft * drafting * extra
 
+    def sampling(self, sampled, window, positions):
+        """What drawing `sampled` rows' tokens adds to the greedy verify the tables hold: `window`
+        nodes a row over `positions` distinct positions (a tree's nodes at one depth share noise)."""
+        first, per_node, per_position = self.sample
+        return sampled * (first + per_node * (window - 1) + per_position * (positions - 1))
+
     # ---- online refinement -----------------------------------------------------------------
 
     def refine(self, rows: int, window: int, drafting: int, depth: int, tree_rows: int, budget: int,
-               stages: dict[str, float] | None, total: float, rate: float = 0.1, keys: int = CONTEXT) -> None:
+               stages: dict[str, float] | None, total: float, rate: float = 0.1, keys: int = CONTEXT,
+               sampled: int = 0) -> None:
         """Fold in one timed round. `stages` (verify, draft_pass, tree seconds) when the device was
         synchronised between stages; otherwise only the round's total moves a global scale."""
         if self.frozen:
             return
         self.refined += 1
         if stages is None:
-            predicted = self.round_seconds(rows, window, drafting, depth, tree_rows, budget, keys) / self.scale
+            predicted = self.round_seconds(rows, window, drafting, depth, tree_rows, budget, keys, sampled) / self.scale
             if predicted > 0:
                 self.scale += rate * (min(max(total / predicted, 0.5), 2.0) - self.scale)
             return
-        verify, draft = self.deeper(rows, window, drafting, keys)  # the tables hold CONTEXT keys
+        verify, draft = self.deeper(rows, window, drafting, keys)  # the tables hold CONTEXT keys, greedy
+        verify += self.sampling(sampled, window, min(window, depth + 1))
         self.verify.nudge(rows, window, stages["verify"] - verify, rate)
         modeled = stages["verify"]
         if drafting:
@@ -185,12 +199,13 @@ class CostModel:
     def as_dict(self) -> dict:
         return {"format": FORMAT, "coverage": self.coverage, "verify": self.verify.as_dict(),
                 "draft": self.draft.as_dict(), "tree": self.tree.as_dict(), "overhead": self.overhead.as_dict(),
-                "keys": list(self.keys)}
+                "keys": list(self.keys), "sample": list(self.sample)}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         return cls(Grid.from_dict(d["verify"]), Grid.from_dict(d["draft"]), Grid.from_dict(d["tree"]),
-                   Grid.from_dict(d["overhead"]), d["coverage"], source="cache", keys=tuple(d["keys"]))
+                   Grid.from_dict(d["overhead"]), d["coverage"], source="cache", keys=tuple(d["keys"]),
+                   sample=tuple(d["sample"]))
 
     def covers(self, rows: int, window: int, budget: int) -> bool:
         c = self.coverage
@@ -415,8 +430,31 @@ def measure(target, drafter, passes: tuple[Callable, Callable], cache, draft_cac
     for s in range(rows_max):
         cache.set_length(s, 0)
         draft_cache.set_length(s, 0)
+    sample = _sample_costs(timer, logits(rows_max, L))  # the chain's window: the common drafting round
     return _tables(v, body, head, tr, chain_cost, rows_max, windows, budgets, depth, max_window, max_budget,
-                   time.perf_counter() - timer.start, keys)
+                   time.perf_counter() - timer.start, keys, sample)
+
+
+def _sample_costs(timer: _Timer, x: torch.Tensor) -> tuple[float, float, float]:
+    """Seconds a sampled row adds to the pick over logits x [rows, n, V]: its first node (an AR
+    step's), each further node (scaling, adding, the argmax) and each further distinct position
+    (hashing noise over the vocabulary). Costs per element grow with the working set, so the AR
+    step is timed apart."""
+    rows, n, _ = x.shape
+    greedy = SamplingBatch.build([SamplingParams()] * rows, [0] * rows, x.device)
+    hot = SamplingBatch.build([SamplingParams(temperature=1.0)] * rows, list(range(rows)), x.device)
+    spread = CONTEXT + torch.arange(n, device=x.device).expand(rows, n)
+    one = x[:, :1].contiguous()
+    first = max(0.0, timer(lambda: pick(one, hot, spread[:, :1], 1)) - timer(lambda: pick(one, greedy, spread[:, :1], 1)))
+    if n < 2:
+        return first / rows, 0.0, 0.0
+    base = timer(lambda: pick(x, greedy, spread, n))
+    same = torch.full_like(spread, CONTEXT)
+    shared = timer(lambda: pick(x, hot, same, 1))  # one position per row
+    each = timer(lambda: pick(x, hot, spread, n))
+    per_position = max(0.0, (each - shared) / (rows * (n - 1)))
+    per_node = max(0.0, (shared - base - first) / (rows * (n - 1)))
+    return first / rows, per_node, per_position
 
 
 def _floor(points: dict[int, float]) -> dict[int, float]:
@@ -436,7 +474,7 @@ def _clamped(points: dict[int, float], x: float) -> float:
 
 
 def _tables(v, body, head, tr, chain_cost, rows_max, windows, budgets, depth, max_window, max_budget,
-            seconds, keys=(0.0, 0.0, 0.0)) -> CostModel:
+            seconds, keys=(0.0, 0.0, 0.0), sample=(0.0, 0.0, 0.0)) -> CostModel:
     rows = row_points(rows_max)
     single = _floor({n: s for (r, n), s in v.items() if r == 1})  # tokens -> seconds at one row
     ar = _floor({r: s for (r, n), s in v.items() if n == 1})  # rows -> seconds at one node each
@@ -471,7 +509,7 @@ def _tables(v, body, head, tr, chain_cost, rows_max, windows, budgets, depth, ma
     tree = Grid(tree_rows, tb, tvals)
     overhead = Grid(rows, [0, 1], np.zeros((len(rows), 2)), monotone=(0,))
     return CostModel(verify, draft, tree, overhead, {"rows": rows_max, "window": max_window, "budget": max_budget},
-                     seconds=seconds, keys=keys)
+                     seconds=seconds, keys=keys, sample=sample)
 
 
 def startup(target, drafter, passes: tuple[Callable, Callable], cache, draft_cache, max_rows: int, max_window: int,

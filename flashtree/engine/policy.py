@@ -68,6 +68,7 @@ class RoundPlan:
     measure: int = 0  # tree sizes (grid columns) whose accepted tokens the round reads back
     explored: bool = False  # auto: played to measure, paid from the exploration credit
     keys: int = CONTEXT  # committed keys behind the batch's deepest row, which every row's attention spans
+    sampled: int = 0  # rows drawn by seeded noise rather than argmax (each pays it at every node)
 
     @property
     def drafting(self) -> int:
@@ -172,6 +173,7 @@ class Policy:
         self.chain_arm = len(self.grid)
         self.cap = np.minimum(np.append(self.grid, self.depth), self.depth)  # the most each arm can keep
         self.windows = np.append(self.grid, self.depth) + 1.0  # each arm's verify window
+        self.positions = np.minimum(self.windows, self.depth + 1)  # ... and the positions it spans
         self.max_round_tokens = max_round_tokens
         self.classes: dict[int, ClassStats] = {}
         self.owner: list[str | None] = [None] * slots
@@ -199,10 +201,10 @@ class Policy:
             self._plans[arm, rows] = plan
         return plan
 
-    def seconds(self, rows: int, keys: int = CONTEXT) -> tuple[float, np.ndarray]:
-        """AR steps' seconds for a batch of `rows` whose deepest row has `keys` committed keys, and
-        [arms, rows + 1]: a drafting arm's seconds with k rows drafting (inf where the arm does not
-        fit max_round_tokens)."""
+    def seconds(self, rows: int, keys: int = CONTEXT, sampled: int = 0) -> tuple[float, np.ndarray]:
+        """AR steps' seconds for a batch of `rows` (`sampled` of them not greedy) whose deepest row
+        has `keys` committed keys, and [arms, rows + 1]: a drafting arm's seconds with k rows
+        drafting (inf where the arm does not fit max_round_tokens)."""
         key = self.cost.refined // 16
         hit = self._tables.get(rows)
         if hit is None or hit[0] != key:
@@ -217,10 +219,13 @@ class Policy:
                     table[arm, k] = c.round_seconds(rows, p.window, k, p.depth, k if p.tree_rows else 0, p.budget)
             hit = (key, c.round_seconds(rows, 1, 0, 0, 0, 0), table)
             self._tables[rows] = hit
-        # The tables are CONTEXT keys deep; the keys a row attends past that are priced per key.
-        verify, draft = self.cost.deeper(rows, self.windows[:, None], np.arange(rows + 1), keys)
-        table = np.maximum(hit[2] + (verify + draft) * self.cost.scale, 0.5 * hit[2])
-        ar = max(hit[1] + sum(self.cost.deeper(rows, 1, 0, keys)) * self.cost.scale, 0.5 * hit[1])
+        # The tables are CONTEXT keys deep and greedy; the keys a row attends past that are priced
+        # per key, and sampled rows per node and position.
+        c = self.cost
+        verify, draft = c.deeper(rows, self.windows[:, None], np.arange(rows + 1), keys)
+        verify = verify + c.sampling(sampled, self.windows[:, None], self.positions[:, None])
+        table = np.maximum(hit[2] + (verify + draft) * c.scale, 0.5 * hit[2])
+        ar = max(hit[1] + (sum(c.deeper(rows, 1, 0, keys)) + c.sampling(sampled, 1, 1)) * c.scale, 0.5 * hit[1])
         return ar * self.factor[-1], table * self.factor[:-1, None]
 
     # ---- acceptance ----------------------------------------------------------------------------
@@ -275,17 +280,19 @@ class Policy:
         self.rounds += 1
         ids = [r.request_id for r in reqs]
         keys = max(len(r.prompt_ids) + len(r.output_ids) for r in reqs)
+        sampled = sum(not r.params.greedy for r in reqs)
         if self.hold[1] > 0 and self.hold[0] == ids:
             # Held rounds are timed too: every drafting arm is judged against AR's factor.
             self.hold = (ids, self.hold[1] - 1)
-            return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=self.seconds(R, keys)[0], keys=keys)
+            return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=self.seconds(R, keys, sampled)[0], keys=keys,
+                             sampled=sampled)
         for r in reqs:
             self._claim(r)
-        ar_seconds, table = self.seconds(R, keys)
+        ar_seconds, table = self.seconds(R, keys, sampled)
         rows = [i for i, r in enumerate(reqs) if r.speculative]
         ar_rate = R / ar_seconds
         if not rows:
-            return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds, keys=keys)
+            return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds, keys=keys, sampled=sampled)
         slots = [reqs[i].slot for i in rows]
         self.tokens[slots] = [len(reqs[i].output_ids) for i in rows]
         classes = [self._class_of(s) for s in slots]
@@ -309,7 +316,7 @@ class Policy:
                 # the credit covers an exploration or a probe falls due.
                 due = [PROBE_TOKENS - 1 - len(reqs[i].output_ids) for i in rows if not self.measured[reqs[i].slot]]
                 self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])))
-                return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds, keys=keys)
+                return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds, keys=keys, sampled=sampled)
             arm, explored = self.chain_arm, True
             rows = [rows[j] for j in probe]
             gains, k = gains[probe], len(probe)
@@ -322,7 +329,7 @@ class Policy:
         return replace(plan, modes=[mode if i in chosen else AR for i in range(R)], draft_rows=drafting,
                        tree_rows=len(drafting) if plan.tree_rows else 0, seconds=float(table[arm, k]),
                        predicted=[float(predicted[i]) if i in chosen else 0.0 for i in range(R)], explored=explored,
-                       keys=keys)
+                       keys=keys, sampled=sampled)
 
     def _probe(self, reqs: list[Request], rows: list[int], classes: list[int], gains: np.ndarray, table: np.ndarray,
                R: int, ar_rate: float) -> list[int] | None:
@@ -366,7 +373,7 @@ class Policy:
         """Fold in a round: per row its accepted drafted tokens, per drafting row of a tree round
         by_size's (accepted per size, spine run, chain unmeasured), and the round's wall seconds."""
         R = len(slots)
-        ar_seconds = self.seconds(R, plan.keys)[0]
+        ar_seconds = self.seconds(R, plan.keys, plan.sampled)[0]
         if self.cost.frozen:  # tensor parallel: every rank plans alike, so none uses its own clock
             seconds = plan.seconds or ar_seconds
         if plan.arm is None:
@@ -417,7 +424,7 @@ class Policy:
         if st.level_rows + self._stats(-1 - cls).level_rows < SETTLE_ROWS:  # openings included
             return True
         rows = max(1, min(rows, len(self.owner)))
-        ar_seconds, table = self.seconds(rows)
+        ar_seconds, table = self.seconds(rows, sampled=rows if cls else 0)
         gains = self.expected([cls], [max([st.level, *st.recent])])[0][0]
         if ((rows + rows * gains) / table[:, rows]).max() > rows / ar_seconds:
             return True

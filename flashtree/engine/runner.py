@@ -551,7 +551,7 @@ class ModelRunner:
         stages = {"verify": s.get("verify", 0.0), "draft_pass": self._draft_pass, "tree": s.get("tree", 0.0)}
         cost = self.policy.cost
         cost.refine(len(slots), plan.window, plan.drafting, plan.depth, plan.tree_rows, plan.budget,
-                    stages if self.timed_stages else None, seconds, keys=plan.keys)
+                    stages if self.timed_stages else None, seconds, keys=plan.keys, sampled=plan.sampled)
         if cost.refined == SAVE_AFTER:  # keep what this run learned for the next start
             save(self.cost_path, self.cost_key, cost)
 
