@@ -88,12 +88,19 @@ def gumbel_noise(pkeys: Tensor, tokens: Tensor, dtype: torch.dtype) -> Tensor:
     below the top in scaled logit (relative probability < 7e-12) can never win, a total
     variation of at most 7e-12 * V (1e-6 at V = 151,936).
     """
-    return _gumbel(pkeys, mix32(tokens ^ 0x68E31DA4), dtype)
+    thash = mix32(tokens ^ 0x68E31DA4)
+    shape = torch.broadcast_shapes(pkeys.shape, thash.shape)
+    K = shape[-1]
+    out = torch.empty(shape, dtype=dtype, device=pkeys.device)
+    th = thash.view(1, K) if thash.numel() == K else thash.expand(shape).reshape(-1, K)
+    _gumbel(pkeys.expand(*shape[:-1], 1).reshape(-1, 1), th, out.view(-1, K), add=False)
+    return out
 
 
 def vocab_noise(pkeys: Tensor, V: int, dtype: torch.dtype) -> Tensor:
-    """gumbel_noise(pkeys, arange(V), dtype), [..., V], with the token half of the hash cached."""
-    return _gumbel(pkeys, token_hashes(V, pkeys.device), dtype)
+    """gumbel_noise(pkeys, arange(V), dtype) for pkeys [P, 1]: [P, V]."""
+    out = torch.empty(len(pkeys), V, dtype=dtype, device=pkeys.device)
+    return _gumbel(pkeys, token_hashes(V, pkeys.device), out, add=False)
 
 
 _TOKEN_HASHES: dict[tuple[int, torch.device], Tensor] = {}
@@ -112,37 +119,38 @@ def token_hashes(V: int, device: torch.device) -> Tensor:
     return hashes
 
 
-def _gumbel(pkeys: Tensor, thash: Tensor, dtype: torch.dtype) -> Tensor:
-    """gumbel_noise from the token hashes, in place on scratch tensors; on the CPU a block of at
-    most NOISE_BLOCK entries at a time (the hash's 14 passes then run in cache, ~4x faster).
+def _gumbel(pk: Tensor, thash: Tensor, out: Tensor, add: bool) -> Tensor:
+    """out [P, K] = (or, with add, +=) the noise of h = mix32(pk ^ thash), pk [P, 1], thash [K] or
+    [P, K]; on the CPU a block of at most NOISE_BLOCK entries at a time, so that the hash's 13
+    int64 passes run in cache, and without a noise table when adding.
 
     w is negated while scaled and clamped, which is exact, so the bits are those of
-    -log(-log1p(-w)) with w = ((h.float() + 0.5) * 2^-32).clamp(max=1 - 2^-24)."""
-    shape = torch.broadcast_shapes(pkeys.shape, thash.shape)
-    K = shape[-1]
-    pk = pkeys.expand(*shape[:-1], 1).reshape(-1, 1)
-    th = thash.view(1, K) if thash.numel() == K else thash.expand(shape).reshape(-1, K)
-    P = pk.shape[0]
-    out = torch.empty(P, K, dtype=dtype, device=pk.device)
-    cols = min(K, NOISE_BLOCK) if pk.device.type == "cpu" else K
-    rows = max(1, NOISE_BLOCK // cols) if pk.device.type == "cpu" else P
-    h_buf = torch.empty(min(rows, P) * cols, dtype=torch.long, device=pk.device)
+    -log(-log1p(-w)) with w = ((h.float() + 0.5) * 2^-32).clamp(max=1 - 2^-24), converted to
+    out's dtype (adding a float32 g to float64 equals adding g.double())."""
+    P, K = out.shape
+    th = thash.expand(P, K)
+    cpu = out.device.type == "cpu"
+    cols = min(K, NOISE_BLOCK) if cpu else K
+    rows = min(P, max(1, NOISE_BLOCK // cols)) if cpu else P
+    h_buf = torch.empty(rows * cols, dtype=torch.long, device=out.device)
     s_buf = torch.empty_like(h_buf)
-    w_buf = None if dtype == torch.float32 else torch.empty_like(h_buf, dtype=torch.float32)
+    direct = not add and out.dtype == torch.float32
+    w_buf = None if direct else torch.empty_like(h_buf, dtype=torch.float32)
     for r0 in range(0, P, rows):
         r = min(rows, P - r0)
         for c0 in range(0, K, cols):
             c = min(cols, K - c0)
-            h = torch.bitwise_xor(pk[r0 : r0 + r], th[r0 : r0 + r, c0 : c0 + c] if len(th) > 1 else th[:, c0 : c0 + c],
-                                  out=h_buf[: r * c].view(r, c))
+            h = torch.bitwise_xor(pk[r0 : r0 + r], th[r0 : r0 + r, c0 : c0 + c], out=h_buf[: r * c].view(r, c))
             mix32_(h, s_buf[: r * c].view(r, c))
             o = out[r0 : r0 + r, c0 : c0 + c]
-            w = o if w_buf is None else w_buf[: r * c].view(r, c)
+            w = o if direct else w_buf[: r * c].view(r, c)
             w.copy_(h).add_(0.5).mul_(-(2.0**-32)).clamp_(min=-(1.0 - 2.0**-24))
             w.log1p_().neg_().log_().neg_()
-            if w_buf is not None:
+            if add:
+                o += w
+            elif not direct:
                 o.copy_(w)
-    return out.view(shape)
+    return out
 
 
 # ---- the per-round batch of parameters --------------------------------------------------------
@@ -253,22 +261,28 @@ def pick(logits: Tensor, batch: SamplingBatch, positions: Tensor, span: int | No
 def _draw_plain(logits: Tensor, rows: SampledRows, positions: Tensor, span: int | None) -> Tensor:
     S, N, V = logits.shape
     x = _scaled(logits, rows).view(S * N, V)
-    table, row = _vocab_noise(rows.key, positions, span, V, x.dtype)
-    x += table if row is None else table[row]
+    _add_vocab_noise(x, rows.key, positions, span)
     return x.argmax(-1).view(S, N)
 
 
-def _vocab_noise(keys: Tensor, positions: Tensor, span: int | None, V: int, dtype: torch.dtype):
-    """Noise over the whole vocabulary, hashed once per distinct position (nodes at one depth
-    share a position, hence their noise): table [S * P, V] and each node's row in it [S * N],
-    or None when the rows are the nodes themselves."""
+def _add_vocab_noise(x: Tensor, keys: Tensor, positions: Tensor, span: int | None, nodes: Tensor | None = None):
+    """x [U, V] (float32 or float64) += the noise over the whole vocabulary of the nodes (all
+    S * N, or `nodes`), hashed per node or, when that is fewer rows, once per distinct position
+    (nodes at one depth share a position, hence their noise) into a table added row by row."""
     S, N = positions.shape
-    if span is None or span >= N:
-        return vocab_noise(position_keys(keys, positions).view(-1, 1), V, dtype), None
+    U, V = x.shape
+    if span is None or U <= S * span:
+        pkeys = position_keys(keys, positions).view(-1, 1)
+        _gumbel(pkeys if nodes is None else pkeys[nodes], token_hashes(V, x.device), x, add=True)
+        return
     base = positions.amin(1, keepdim=True)
     steps = torch.arange(span, device=positions.device)
-    table = vocab_noise(position_keys(keys, base + steps).view(-1, 1), V, dtype)
-    return table, (span * torch.arange(S, device=positions.device)[:, None] + positions - base).view(-1)
+    table = vocab_noise(position_keys(keys, base + steps).view(-1, 1), V, x.dtype)
+    row = (span * torch.arange(S, device=positions.device)[:, None] + positions - base).view(-1)
+    row = row if nodes is None else row[nodes]
+    block = max(1, NOISE_BLOCK // V) if x.device.type == "cpu" else U  # the gathered rows stay small
+    for i in range(0, U, block):
+        x[i : i + block].add_(table[row[i : i + block]])
 
 
 def _draw_restricted(logits: Tensor, rows: SampledRows, positions: Tensor, span: int | None) -> Tensor:
@@ -281,14 +295,9 @@ def _draw_restricted(logits: Tensor, rows: SampledRows, positions: Tensor, span:
     for nodes, ids, keep in _decide(probs, _node_top_p(rows, N), _levels(rows, V, x.device), first):
         xs, pk = (x, pkeys) if nodes is None else (x[nodes], pkeys[nodes])
         if ids is None:  # decided by the full sort: the whole vocabulary competes
-            if span is not None and (S * N if nodes is None else len(nodes)) > S * span:
-                table, row = _vocab_noise(rows.key, positions, span, V, x.dtype)
-                if nodes is not None:
-                    row = nodes if row is None else row[nodes]
-                noise = table if row is None else table[row]
-            else:
-                noise = vocab_noise(pk[:, None], V, x.dtype)
-            tokens = (torch.where(keep, xs, NEG_INF) + noise).argmax(-1)
+            score = torch.where(keep, xs, NEG_INF)
+            _add_vocab_noise(score, rows.key, positions, span, nodes)
+            tokens = score.argmax(-1)
         else:
             score = torch.where(keep, xs.gather(-1, ids), NEG_INF) + gumbel_noise(pk[:, None], ids, x.dtype)
             tokens = ids.gather(-1, score.argmax(-1, keepdim=True))[:, 0]
