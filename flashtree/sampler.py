@@ -51,17 +51,22 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
-def mix32_(x: Tensor, scratch: Tensor) -> Tensor:
-    """mix32 in place on an int64 tensor the caller owns, with a scratch tensor of its shape: each
-    allocating op would cost a pass of fresh memory. Adding (x & 1) << 31 and masking equals
-    xoring x << 31 and masking (only bit 31 survives), and x << 31 < 2^63."""
-    x ^= torch.bitwise_right_shift(x, 16, out=scratch)
+def mix32_tail_(x: Tensor, scratch: Tensor) -> Tensor:
+    """mix32 after its first step, in place: y ^ (y >> 16) -> mix32(y), on an int64 tensor the
+    caller owns, with a scratch tensor of its shape (an allocating op would cost a pass over
+    fresh memory). The first step distributes over xor, so for mix32(a ^ b) callers apply it to
+    a and b apart, to small tensors. Adding (x & 1) << 31 and masking equals xoring x << 31 and
+    masking (only bit 31 survives), and x << 31 < 2^63."""
     x.mul_(0x7FEB352D).bitwise_and_(M32)
     x ^= torch.bitwise_right_shift(x, 15, out=scratch)
     torch.bitwise_left_shift(x, 31, out=scratch)
     x.mul_(0x046CA68B).bitwise_xor_(scratch).bitwise_and_(M32)
     x ^= torch.bitwise_right_shift(x, 16, out=scratch)
     return x
+
+
+def _first_step(x: Tensor) -> Tensor:
+    return x ^ (x >> 16)
 
 
 def seed_key(seed: int) -> int:
@@ -88,19 +93,19 @@ def gumbel_noise(pkeys: Tensor, tokens: Tensor, dtype: torch.dtype) -> Tensor:
     below the top in scaled logit (relative probability < 7e-12) can never win, a total
     variation of at most 7e-12 * V (1e-6 at V = 151,936).
     """
-    thash = mix32(tokens ^ 0x68E31DA4)
+    thash = _first_step(mix32(tokens ^ 0x68E31DA4))
     shape = torch.broadcast_shapes(pkeys.shape, thash.shape)
     K = shape[-1]
     out = torch.empty(shape, dtype=dtype, device=pkeys.device)
     th = thash.view(1, K) if thash.numel() == K else thash.expand(shape).reshape(-1, K)
-    _gumbel(pkeys.expand(*shape[:-1], 1).reshape(-1, 1), th, out.view(-1, K), add=False)
+    _gumbel(_first_step(pkeys.expand(*shape[:-1], 1).reshape(-1, 1)), th, out.view(-1, K), add=False)
     return out
 
 
 def vocab_noise(pkeys: Tensor, V: int, dtype: torch.dtype) -> Tensor:
     """gumbel_noise(pkeys, arange(V), dtype) for pkeys [P, 1]: [P, V]."""
     out = torch.empty(len(pkeys), V, dtype=dtype, device=pkeys.device)
-    return _gumbel(pkeys, token_hashes(V, pkeys.device), out, add=False)
+    return _gumbel(_first_step(pkeys), token_hashes(V, pkeys.device), out, add=False)
 
 
 _TOKEN_HASHES: dict[tuple[int, torch.device], Tensor] = {}
@@ -108,27 +113,29 @@ NOISE_BLOCK = 1 << 16  # CPU: entries hashed per step, so the int64 passes stay 
 
 
 def token_hashes(V: int, device: torch.device) -> Tensor:
-    """mix32(token ^ 0x68E31DA4) for the token ids < V: it does not depend on the position, so it
-    is computed once per (V, device). Not stored while a CUDA graph is being captured, which
-    would record the fill without running it."""
+    """The token half of the noise hash for the token ids < V, mix32(token ^ 0x68E31DA4) after
+    mix32's first step: it does not depend on the position, so it is computed once per
+    (V, device). Not stored while a CUDA graph is being captured, which records the fill
+    without running it."""
     hashes = _TOKEN_HASHES.get((V, device))
     if hashes is None:
-        hashes = mix32(torch.arange(V, device=device) ^ 0x68E31DA4)
+        hashes = _first_step(mix32(torch.arange(V, device=device) ^ 0x68E31DA4))
         if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             _TOKEN_HASHES[(V, device)] = hashes
     return hashes
 
 
-def _gumbel(pk: Tensor, thash: Tensor, out: Tensor, add: bool) -> Tensor:
-    """out [P, K] = (or, with add, +=) the noise of h = mix32(pk ^ thash), pk [P, 1], thash [K] or
-    [P, K]; on the CPU a block of at most NOISE_BLOCK entries at a time, so that the hash's 13
-    int64 passes run in cache, and without a noise table when adding.
+def _gumbel(pk: Tensor, th: Tensor, out: Tensor, add: bool) -> Tensor:
+    """out [P, K] = (or, with add, +=) the noise of h = mix32_tail_(pk ^ th) for the two halves
+    after mix32's first step, pk [P, 1], th [K] or [P, K]. On the CPU a block of at most
+    NOISE_BLOCK entries at a time, so that the hash's 11 int64 passes run in cache, and no
+    noise table when adding.
 
-    w is negated while scaled and clamped, which is exact, so the bits are those of
-    -log(-log1p(-w)) with w = ((h.float() + 0.5) * 2^-32).clamp(max=1 - 2^-24), converted to
-    out's dtype (adding a float32 g to float64 equals adding g.double())."""
+    w is negated while scaled and clamped, and added as x - log(-log1p(-w)), which is exact, so
+    the bits are those of g = -log(-log1p(-w)) with w = ((h.float() + 0.5) * 2^-32).clamp(max=
+    1 - 2^-24) converted to out's dtype (adding a float32 g to float64 equals adding g.double())."""
     P, K = out.shape
-    th = thash.expand(P, K)
+    th = th.expand(P, K)
     cpu = out.device.type == "cpu"
     cols = min(K, NOISE_BLOCK) if cpu else K
     rows = min(P, max(1, NOISE_BLOCK // cols)) if cpu else P
@@ -141,15 +148,17 @@ def _gumbel(pk: Tensor, thash: Tensor, out: Tensor, add: bool) -> Tensor:
         for c0 in range(0, K, cols):
             c = min(cols, K - c0)
             h = torch.bitwise_xor(pk[r0 : r0 + r], th[r0 : r0 + r, c0 : c0 + c], out=h_buf[: r * c].view(r, c))
-            mix32_(h, s_buf[: r * c].view(r, c))
+            mix32_tail_(h, s_buf[: r * c].view(r, c))
             o = out[r0 : r0 + r, c0 : c0 + c]
             w = o if direct else w_buf[: r * c].view(r, c)
             w.copy_(h).add_(0.5).mul_(-(2.0**-32)).clamp_(min=-(1.0 - 2.0**-24))
-            w.log1p_().neg_().log_().neg_()
+            w.log1p_().neg_().log_()
             if add:
-                o += w
-            elif not direct:
-                o.copy_(w)
+                o -= w
+            elif direct:
+                w.neg_()
+            else:
+                o.copy_(w.neg_())
     return out
 
 
@@ -272,7 +281,7 @@ def _add_vocab_noise(x: Tensor, keys: Tensor, positions: Tensor, span: int | Non
     S, N = positions.shape
     U, V = x.shape
     if span is None or U <= S * span:
-        pkeys = position_keys(keys, positions).view(-1, 1)
+        pkeys = _first_step(position_keys(keys, positions).view(-1, 1))
         _gumbel(pkeys if nodes is None else pkeys[nodes], token_hashes(V, x.device), x, add=True)
         return
     base = positions.amin(1, keepdim=True)
