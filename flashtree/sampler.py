@@ -271,7 +271,13 @@ def _draw_plain(logits: Tensor, rows: SampledRows, positions: Tensor, span: int 
     S, N, V = logits.shape
     x = _scaled(logits, rows).view(S * N, V)
     _add_vocab_noise(x, rows.key, positions, span)
-    return x.argmax(-1).view(S, N)
+    return _argmax(x).view(S, N)
+
+
+def _argmax(x: Tensor) -> Tensor:
+    """x.argmax(-1): max's indices are the same first index of the maximum (NaN first, as
+    argmax), and on the CPU it is ~1.6x faster over a vocabulary."""
+    return x.max(-1).indices
 
 
 def _add_vocab_noise(x: Tensor, keys: Tensor, positions: Tensor, span: int | None, nodes: Tensor | None = None):
@@ -306,7 +312,7 @@ def _draw_restricted(logits: Tensor, rows: SampledRows, positions: Tensor, span:
         if ids is None:  # decided by the full sort: the whole vocabulary competes
             score = torch.where(keep, xs, NEG_INF)
             _add_vocab_noise(score, rows.key, positions, span, nodes)
-            tokens = score.argmax(-1)
+            tokens = _argmax(score)
         else:
             score = torch.where(keep, xs.gather(-1, ids), NEG_INF) + gumbel_noise(pk[:, None], ids, x.dtype)
             tokens = ids.gather(-1, score.argmax(-1, keepdim=True))[:, 0]
