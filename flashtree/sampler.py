@@ -66,6 +66,7 @@ def mix32_tail_(x: Tensor, scratch: Tensor) -> Tensor:
 
 
 def _first_step(x: Tensor) -> Tensor:
+    """mix32's first step, which mix32_tail_ leaves to its callers."""
     return x ^ (x >> 16)
 
 
@@ -152,13 +153,13 @@ def _gumbel(pk: Tensor, th: Tensor, out: Tensor, add: bool) -> Tensor:
             o = out[r0 : r0 + r, c0 : c0 + c]
             w = o if direct else w_buf[: r * c].view(r, c)
             w.copy_(h).add_(0.5).mul_(-(2.0**-32)).clamp_(min=-(1.0 - 2.0**-24))
-            w.log1p_().neg_().log_()
+            w.log1p_().neg_().log_()  # -g
             if add:
                 o -= w
-            elif direct:
-                w.neg_()
-            else:
-                o.copy_(w.neg_())
+                continue
+            w.neg_()
+            if not direct:
+                o.copy_(w)
     return out
 
 
@@ -280,7 +281,8 @@ def _argmax(x: Tensor) -> Tensor:
     return x.max(-1).indices
 
 
-def _add_vocab_noise(x: Tensor, keys: Tensor, positions: Tensor, span: int | None, nodes: Tensor | None = None):
+def _add_vocab_noise(x: Tensor, keys: Tensor, positions: Tensor, span: int | None, nodes: Tensor | None = None
+                     ) -> None:
     """x [U, V] (float32 or float64) += the noise over the whole vocabulary of the nodes (all
     S * N, or `nodes`), hashed per node or, when that is fewer rows, once per distinct position
     (nodes at one depth share a position, hence their noise) into a table added row by row."""
