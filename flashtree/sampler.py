@@ -316,7 +316,8 @@ def _draw_restricted(logits: Tensor, rows: SampledRows, positions: Tensor, span:
             _add_vocab_noise(score, rows.key, positions, span, nodes)
             tokens = _argmax(score)
         else:
-            score = torch.where(keep, xs.gather(-1, ids), NEG_INF) + gumbel_noise(pk[:, None], ids, x.dtype)
+            score = torch.where(keep, xs.gather(-1, ids), NEG_INF)
+            _gumbel(_first_step(pk[:, None]), token_hashes(V, x.device)[ids], score, add=True)
             tokens = ids.gather(-1, score.argmax(-1, keepdim=True))[:, 0]
         if nodes is None:
             out = tokens
