@@ -96,10 +96,10 @@ def gumbel_noise(pkeys: Tensor, tokens: Tensor, dtype: torch.dtype) -> Tensor:
     """
     thash = _first_step(mix32(tokens ^ 0x68E31DA4))
     shape = torch.broadcast_shapes(pkeys.shape, thash.shape)
-    K = shape[-1]
+    P, K = shape[:-1].numel(), shape[-1]
     out = torch.empty(shape, dtype=dtype, device=pkeys.device)
-    th = thash.view(1, K) if thash.numel() == K else thash.expand(shape).reshape(-1, K)
-    _gumbel(_first_step(pkeys.expand(*shape[:-1], 1).reshape(-1, 1)), th, out.view(-1, K), add=False)
+    th = thash.view(1, K) if thash.numel() == K else thash.expand(shape).reshape(P, K)
+    _gumbel(_first_step(pkeys.expand(*shape[:-1], 1).reshape(P, 1)), th, out.view(P, K), add=False)
     return out
 
 
@@ -138,8 +138,8 @@ def _gumbel(pk: Tensor, th: Tensor, out: Tensor, add: bool) -> Tensor:
     P, K = out.shape
     th = th.expand(P, K)
     cpu = out.device.type == "cpu"
-    cols = min(K, NOISE_BLOCK) if cpu else K
-    rows = min(P, max(1, NOISE_BLOCK // cols)) if cpu else P
+    cols = max(1, min(K, NOISE_BLOCK if cpu else K))
+    rows = max(1, min(P, NOISE_BLOCK // cols if cpu else P))
     h_buf = torch.empty(rows * cols, dtype=torch.long, device=out.device)
     s_buf = torch.empty_like(h_buf)
     direct = not add and out.dtype == torch.float32
