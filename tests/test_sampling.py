@@ -252,7 +252,98 @@ def test_hash_matches_uint32_arithmetic():
     y = y ^ (y >> np.uint32(16))
     assert np.array_equal(mix32(torch.from_numpy(x.astype(np.int64))).numpy(), y.astype(np.int64))
     assert [mix32(int(v)) for v in x[:50]] == [int(v) for v in y[:50]]
+    t = torch.from_numpy(x.astype(np.int64))
+    assert np.array_equal(sampler.mix32_tail_(t ^ (t >> 16), torch.empty_like(t)).numpy(), y.astype(np.int64))
     assert 0 <= fresh_seed() < 2**63 and len({fresh_seed() for _ in range(8)}) == 8
+
+
+
+# ---- the noise against its first formula, bit for bit -------------------------------------------
+
+BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}
+
+
+def reference_noise(pkeys: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The noise as first written, allocating op by op: every faster form must give its bits."""
+    h = mix32(pkeys ^ mix32(tokens ^ 0x68E31DA4))
+    w = ((h.float() + 0.5) * 2**-32).clamp(max=1 - 2**-24)
+    return (-torch.log(-torch.log1p(-w))).to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(BITS[a.dtype]), b.view(BITS[b.dtype]))
+
+
+@pytest.mark.parametrize("V", [1, 7, 4096, 4099, 65537, 151936])
+def test_noise_equals_the_first_formula(V):
+    """gumbel_noise and vocab_noise (blocks of rows or of columns, cached token hashes, in place)
+    give the first formula's bits for random keys and positions, in every target dtype."""
+    g = torch.Generator().manual_seed(V)
+    S = 40 if V <= 4099 else 2
+    keys = torch.tensor([seed_key(int(s)) for s in torch.randint(0, 2**62, (S,), generator=g)])
+    positions = torch.randint(0, 2**31, (S, 1), generator=g)
+    pkeys = position_keys(keys, positions)  # [S, 1]
+    ids = torch.randint(0, V, (S, 33), generator=g)
+    for dtype in BITS:
+        want = reference_noise(pkeys, torch.arange(V), dtype)
+        assert same_bits(sampler.vocab_noise(pkeys, V, dtype), want), dtype
+        assert same_bits(gumbel_noise(pkeys, torch.arange(V), dtype), want), dtype
+        assert same_bits(gumbel_noise(pkeys, ids, dtype), reference_noise(pkeys, ids, dtype)), dtype
+
+
+def unmix32(h: int) -> int:
+    """mix32's inverse on one 32-bit int (each step is a bijection)."""
+    h ^= h >> 16
+    h = (h * pow(0x846CA68B, -1, 2**32)) & 0xFFFFFFFF
+    h ^= (h >> 15) ^ (h >> 30)
+    h = (h * pow(0x7FEB352D, -1, 2**32)) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def test_noise_at_the_edges_of_the_hash_range():
+    """Token ids chosen so that the hash h (position key 0) is the smallest values, those around
+    float32 rounding steps, and the top ones that the clamp catches: the first formula's bits."""
+    hashes = [*range(0, 512), *range(2**24 - 256, 2**24 + 256), *range(2**31 - 256, 2**31 + 256),
+              *range(2**32 - 1024, 2**32)]
+    tokens = torch.tensor([unmix32(unmix32(h)) ^ 0x68E31DA4 for h in hashes])
+    zero = torch.zeros(1, 1, dtype=torch.long)
+    assert torch.equal(mix32(zero[0] ^ mix32(tokens ^ 0x68E31DA4)), torch.tensor(hashes))
+    for dtype in BITS:
+        assert same_bits(gumbel_noise(zero, tokens, dtype), reference_noise(zero, tokens, dtype)), dtype
+
+
+def test_cached_token_hashes_do_not_leak_across_vocabularies_or_dtypes():
+    """The token-hash cache is keyed by (V, device) and holds no dtype: alternating vocabularies and
+    dtypes each get the first formula's noise, and each V its own table of V hashes."""
+    pkeys = position_keys(torch.tensor([seed_key(3), seed_key(4)]), torch.tensor([[17], [900]]))
+    for V, dtype in [(4099, torch.float64), (4096, torch.float32), (4099, torch.bfloat16), (7, torch.float32),
+                     (4096, torch.float64), (4099, torch.float32)]:
+        assert same_bits(sampler.vocab_noise(pkeys, V, dtype), reference_noise(pkeys, torch.arange(V), dtype))
+        assert len(sampler.token_hashes(V, torch.device("cpu"))) == V
+    assert sampler.token_hashes(4099, torch.device("cpu")) is sampler.token_hashes(4099, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_pick_adds_the_first_formulas_noise(dtype):
+    """pick over many noise blocks (V = 4099, 80 nodes), hashed per node and per shared position,
+    plain rows and a full-sort top-p row: argmax of the scaled kept logits plus the first formula's
+    noise, in the compute dtype."""
+    g = torch.Generator().manual_seed(11)
+    V, N = 4099, 20
+    params = [SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.0, seed=2),
+              SamplingParams(temperature=3.0, top_p=0.999, seed=3), SamplingParams(temperature=1.3, seed=4)]
+    logits = (torch.randn(len(params), N, V, generator=g) * 3).to(dtype)
+    depths = torch.randint(0, 7, (len(params), N), generator=g)
+    positions = depths + torch.tensor([[5], [300], [41], [7000]])
+    batch = SamplingBatch.build(params, [1, 2, 3, 4], torch.device("cpu"))
+    per_node, per_position = pick(logits, batch, positions), pick(logits, batch, positions, span=7)
+    assert torch.equal(per_node, per_position)
+    x = logits.to(torch.promote_types(dtype, torch.float32))
+    for r, p in enumerate(params):
+        pkeys = position_keys(torch.tensor([seed_key(p.seed)]), positions[r : r + 1])[0][:, None]
+        kept = torch.where(probabilities(x[r], p) > 0, scaled_top_k(x[r], p), float("-inf"))
+        want = (kept + reference_noise(pkeys, torch.arange(V), x.dtype)).argmax(-1)
+        assert torch.equal(per_node[r], want), r
 
 
 TINY = [
