@@ -145,29 +145,23 @@ class CostModel:
 
     def round_seconds(self, rows: int, window: int, drafting: int, depth: int, tree_rows: int,
                       budget: int, keys: int = CONTEXT, sampled: int = 0) -> float:
-        t = float(self.verify(rows, window)) + float(self.overhead(rows, 1 if drafting else 0))
-        t += self.sampling(sampled, window, min(window, depth + 1))
+        verify, draft, noise = self.extra(rows, window, drafting, keys, sampled, min(window, depth + 1))
+        t = float(self.verify(rows, window)) + float(self.overhead(rows, 1 if drafting else 0)) + noise
         if drafting:
             t += float(self.draft(drafting, depth))
             if tree_rows:
                 t += float(self.tree(tree_rows, budget))
-        verify, draft = self.deeper(rows, window, drafting, keys)
         return max(t + verify + draft, 0.5 * t) * self.scale
 
-    def deeper(self, rows, window, drafting, keys: int) -> tuple:
-        """What `keys` committed keys per row add to the verify and to the drafter pass over the
-        tables' CONTEXT (negative below it); numpy arrays broadcast."""
+    def extra(self, rows, window, drafting, keys: int = CONTEXT, sampled: int = 0, positions=1) -> tuple:
+        """What the tables (greedy, CONTEXT keys deep) leave out: (verify, drafter pass) seconds of `keys`
+        committed keys a row (negative below CONTEXT), and the seeded noise of `sampled` rows over `window`
+        nodes at `positions` distinct positions (nodes at one depth share it). Numpy arrays broadcast."""
         per_row, per_node, per_draft = self.keys
-        extra = keys - CONTEXT
-        return (per_row + per_node * window) * rows * extra, per_draft * drafting * extra
-
-    def sampling(self, sampled, window, positions):
-        """What drawing `sampled` rows' tokens adds to the greedy verify the tables hold: `window`
-        nodes a row over `positions` distinct positions (a tree's nodes at one depth share noise)."""
-        first, per_node, per_position = self.sample
-        return sampled * (first + per_node * (window - 1) + per_position * (positions - 1))
-
-    # ---- online refinement -----------------------------------------------------------------
+        first, node, position = self.sample
+        deeper = keys - CONTEXT
+        return ((per_row + per_node * window) * rows * deeper, per_draft * drafting * deeper,
+                sampled * (first + node * (window - 1) + position * (positions - 1)))
 
     def refine(self, rows: int, window: int, drafting: int, depth: int, tree_rows: int, budget: int,
                stages: dict[str, float] | None, total: float, rate: float = 0.1, keys: int = CONTEXT,
@@ -182,9 +176,8 @@ class CostModel:
             if predicted > 0:
                 self.scale += rate * (min(max(total / predicted, 0.5), 2.0) - self.scale)
             return
-        verify, draft = self.deeper(rows, window, drafting, keys)  # the tables hold CONTEXT keys, greedy
-        verify += self.sampling(sampled, window, min(window, depth + 1))
-        self.verify.nudge(rows, window, stages["verify"] - verify, rate)
+        verify, draft, noise = self.extra(rows, window, drafting, keys, sampled, min(window, depth + 1))
+        self.verify.nudge(rows, window, stages["verify"] - (verify + noise), rate)
         modeled = stages["verify"]
         if drafting:
             self.draft.nudge(drafting, depth, stages["draft_pass"] - draft, rate)

@@ -172,7 +172,7 @@ class Policy:
         self.grid = [b for b in GRID if b < max_budget] + [max_budget]
         self.chain_arm = len(self.grid)
         self.cap = np.minimum(np.append(self.grid, self.depth), self.depth)  # the most each arm can keep
-        self.windows = np.append(self.grid, self.depth) + 1.0  # each arm's verify window
+        self.windows = np.append(self.grid, [self.depth, 0]) + 1.0  # each arm's verify window, AR's last
         self.positions = np.minimum(self.windows, self.depth + 1)  # ... and the positions it spans
         self.max_round_tokens = max_round_tokens
         self.classes: dict[int, ClassStats] = {}
@@ -184,7 +184,7 @@ class Policy:
         self.factor = np.ones(len(self.grid) + 2)  # timed / modelled seconds per arm; the last is AR's
         self.rounds = 0
         self.hold: tuple[list[str], int] = ([], 0)  # AR steps decided ahead: for this batch, this many rounds
-        self._tables: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
+        self._tables: dict[int, tuple[int, np.ndarray]] = {}
         self._plans: dict[tuple[int, int], RoundPlan] = {}
 
     # ---- what things cost --------------------------------------------------------------------
@@ -202,33 +202,23 @@ class Policy:
         return plan
 
     def seconds(self, rows: int, keys: int = CONTEXT, sampled: int = 0) -> tuple[float, np.ndarray]:
-        """AR steps' seconds for a batch of `rows` (`sampled` of them not greedy) whose deepest row
-        has `keys` committed keys, and [arms, rows + 1]: a drafting arm's seconds with k rows
-        drafting (inf where the arm does not fit max_round_tokens)."""
-        key = self.cost.refined // 16
-        hit = self._tables.get(rows)
-        if hit is None or hit[0] != key:
-            c = self.cost
-            cap = self.max_round_tokens // rows - 1
-            table = np.full((self.chain_arm + 1, rows + 1), np.inf)
+        """AR steps' seconds for `rows` rows (`sampled` not greedy, the deepest `keys` keys deep), and
+        [arms, rows + 1]: each arm's with k rows drafting (inf where it exceeds max_round_tokens)."""
+        c, key = self.cost, self.cost.refined // 16
+        if self._tables.get(rows, (None,))[0] != key:  # rows x arms from the tables, AR's last (k = 0)
+            table = np.full((self.chain_arm + 2, rows + 1), np.inf)
+            table[-1, 0] = c.round_seconds(rows, 1, 0, 0, 0, 0)
             for arm in range(self.chain_arm + 1):
                 p = self.arm_plan(arm, rows)
-                if p.window - 1 > cap:
-                    continue
-                for k in range(1, rows + 1):
-                    table[arm, k] = c.round_seconds(rows, p.window, k, p.depth, k if p.tree_rows else 0, p.budget)
-            hit = (key, c.round_seconds(rows, 1, 0, 0, 0, 0), table)
-            self._tables[rows] = hit
-        # The tables are CONTEXT keys deep and greedy; the keys a row attends past that are priced
-        # per key, and sampled rows per node and position.
-        c = self.cost
-        verify, draft = c.deeper(rows, self.windows[:, None], np.arange(rows + 1), keys)
-        verify = verify + c.sampling(sampled, self.windows[:, None], self.positions[:, None])
-        table = np.maximum(hit[2] + (verify + draft) * c.scale, 0.5 * hit[2])
-        ar = max(hit[1] + (sum(c.deeper(rows, 1, 0, keys)) + c.sampling(sampled, 1, 1)) * c.scale, 0.5 * hit[1])
-        return ar * self.factor[-1], table * self.factor[:-1, None]
-
-    # ---- acceptance ----------------------------------------------------------------------------
+                if p.window <= self.max_round_tokens // rows:
+                    table[arm, 1:] = [c.round_seconds(rows, p.window, k, p.depth, k if p.tree_rows else 0, p.budget)
+                                      for k in range(1, rows + 1)]
+            self._tables[rows] = (key, table)
+        table = self._tables[rows][1]
+        verify, draft, noise = c.extra(rows, self.windows[:, None], np.arange(rows + 1), keys, sampled,
+                                       self.positions[:, None])
+        table = np.maximum(table + (verify + noise + draft) * c.scale, 0.5 * table) * self.factor[:, None]
+        return table[-1, 0], table[:-1]
 
     def _stats(self, cls: int) -> ClassStats:
         if cls not in self.classes:
