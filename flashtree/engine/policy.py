@@ -20,6 +20,7 @@ pays they cost about PROBE. docs/performance.md says why.
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -87,31 +88,22 @@ def fixed_plan(rows: int, method: str, block_size: int, budget: int) -> RoundPla
     if method == "ar":
         return RoundPlan([AR] * rows, predicted=[0.0] * rows)
     if method == "dflash":
-        n = block_size - 1
-        return RoundPlan([CHAIN] * rows, window=block_size, chain=n, depth=n, draft_rows=list(range(rows)),
-                         predicted=[0.0] * rows)
+        return RoundPlan([CHAIN] * rows, window=block_size, chain=block_size - 1, depth=block_size - 1,
+                         draft_rows=list(range(rows)), predicted=[0.0] * rows)
     return RoundPlan([TREE] * rows, window=budget + 1, budget=budget, depth=min(budget, block_size - 1),
                      draft_rows=list(range(rows)), tree_rows=rows, predicted=[0.0] * rows)
 
 
 def by_size(codes: list[int], sizes: list[int]) -> tuple[list[int], int, bool]:
     """What one tree round measured, from its accepted path's codes (runner.path_codes: per node,
-    root first, 4 x its rank in the tree + 2 where it has a child in the tree + 1 where it is its
-    parent's best child; -1 past the path): the drafted tokens the top-b tree would have accepted
-    for each b in sizes (it holds the nodes ranked b or better, and ranks grow along a path), the
-    path's run along the spine (what the chain would have accepted), and whether that run reached
-    the end of the tree's spine, past which the chain's draft goes on unmeasured."""
-    ranks = []
-    run, spine, last = 0, True, codes[0]
-    for c in codes[1:]:
-        if c < 0:
-            break
-        ranks.append(c >> 2)
-        spine = spine and bool(c & 1)
-        if spine:
-            run += 1
-            last = c
-    return [bisect.bisect_right(ranks, b) for b in sizes], run, spine and not last & 2
+    root first, 4 x rank + 2 if it has a child in the tree + 1 if it is its parent's best child; -1
+    past the path): per b in sizes, the drafted tokens the top-b tree would have accepted (ranks grow
+    along a path); the run along the spine (the chain's); and whether it reached the spine's end."""
+    path = list(itertools.takewhile(lambda c: c >= 0, codes[1:]))
+    ranks = [c >> 2 for c in path]
+    run = next((i for i, c in enumerate(path) if not c & 1), len(path))
+    end = path[run - 1] if run else codes[0]
+    return [bisect.bisect_right(ranks, b) for b in sizes], run, run == len(path) and not end & 2
 
 
 class ClassStats:
@@ -187,19 +179,14 @@ class Policy:
         self._tables: dict[int, tuple[int, np.ndarray]] = {}
         self._plans: dict[tuple[int, int], RoundPlan] = {}
 
-    # ---- what things cost --------------------------------------------------------------------
-
     def arm_plan(self, arm: int, rows: int) -> RoundPlan:
-        """The fixed plan of a drafting arm for every row of a batch (kept: plans are not changed
-        in place, and building one each round was a tenth of the plan's time)."""
-        plan = self._plans.get((arm, rows))
-        if plan is None:
-            if arm == self.chain_arm:
-                plan = replace(fixed_plan(rows, "dflash", self.depth + 1, 0), arm=arm)
-            else:
-                plan = replace(fixed_plan(rows, "ddtree", self.depth + 1, self.grid[arm]), arm=arm, measure=arm + 1)
-            self._plans[arm, rows] = plan
-        return plan
+        """A drafting arm's plan for every row of a batch, kept (building one each round was a tenth of
+        the plan's time)."""
+        if (arm, rows) not in self._plans:
+            chain = arm == self.chain_arm
+            plan = fixed_plan(rows, "dflash" if chain else "ddtree", self.depth + 1, 0 if chain else self.grid[arm])
+            self._plans[arm, rows] = replace(plan, arm=arm, measure=0 if chain else arm + 1)
+        return self._plans[arm, rows]
 
     def seconds(self, rows: int, keys: int = CONTEXT, sampled: int = 0) -> tuple[float, np.ndarray]:
         """AR steps' seconds for `rows` rows (`sampled` not greedy, the deepest `keys` keys deep), and
@@ -249,17 +236,16 @@ class Policy:
         shapes, known = [], []
         for c in uniq:
             st = self._stats(c)
-            chain = st.shape[self.chain_arm]
-            trees = np.where(np.isnan(st.shape[: self.chain_arm]), chain * self.cap[:-1] / self.depth,
-                             st.shape[: self.chain_arm])
+            trees, chain = st.shape[:-1], st.shape[-1]
             if c < 0:  # an opening: the chain or AR steps, never explored
-                shapes.append(np.append(np.zeros_like(trees), chain))
-                known.append(np.full(len(trees) + 1, KNOWN))
+                shapes.append(np.append(np.zeros(self.chain_arm), chain))
+                known.append(np.full(self.chain_arm + 1, KNOWN))
                 continue
+            trees = np.where(np.isnan(trees), chain * self.cap[:-1] / self.depth, trees)
             shapes.append(np.append(np.maximum.accumulate(trees), chain))
             known.append(np.where(st.round - st.seen <= STALE, np.minimum(st.rows, KNOWN), 0))
             known[-1][-1] = max(known[-1][-1], 1)  # the chain rests on its prior from the start
-        idx = [uniq.index(c) for c in classes] if len(uniq) > 1 else [0] * len(classes)
+        idx = [uniq.index(c) for c in classes]
         out = np.array(shapes)[idx] * (np.asarray(levels)[:, None] + P)
         return np.minimum(out, self.cap), np.array(known)[idx]
 
@@ -310,16 +296,11 @@ class Policy:
             arm, explored = self.chain_arm, True
             rows = [rows[j] for j in probe]
             gains, k = gains[probe], len(probe)
-        order = np.argsort(-gains[:, arm], kind="stable")[:k]
-        drafting = sorted(rows[i] for i in order)
+        chosen = {rows[i]: float(gains[i, arm]) for i in np.argsort(-gains[:, arm], kind="stable")[:k]}
         plan = self.arm_plan(arm, R)
-        chosen = set(drafting)
-        mode = plan.modes[0]
-        predicted = dict(zip(rows, gains[:, arm]))
-        return replace(plan, modes=[mode if i in chosen else AR for i in range(R)], draft_rows=drafting,
-                       tree_rows=len(drafting) if plan.tree_rows else 0, seconds=float(table[arm, k]),
-                       predicted=[float(predicted[i]) if i in chosen else 0.0 for i in range(R)], explored=explored,
-                       keys=keys, sampled=sampled)
+        return replace(plan, modes=[plan.modes[0] if i in chosen else AR for i in range(R)], draft_rows=sorted(chosen),
+                       tree_rows=len(chosen) if plan.tree_rows else 0, seconds=float(table[arm, k]),
+                       predicted=[chosen.get(i, 0.0) for i in range(R)], explored=explored, keys=keys, sampled=sampled)
 
     def _probe(self, reqs: list[Request], rows: list[int], classes: list[int], gains: np.ndarray, table: np.ndarray,
                R: int, ar_rate: float) -> list[int] | None:
@@ -330,8 +311,8 @@ class Policy:
                  if not self.measured[reqs[i].slot] and len(reqs[i].output_ids) >= PROBE_TOKENS]
         if not fresh or not np.isfinite(table[self.chain_arm, len(fresh)]):
             return None
-        loss = table[self.chain_arm, len(fresh)] - (R + gains[fresh, self.chain_arm].sum()) / ar_rate
-        return fresh if loss <= min(self._stats(classes[j]).credit for j in fresh) else None
+        short = self._short(self.chain_arm, gains[fresh], [classes[j] for j in fresh], table, R, ar_rate)
+        return fresh if short <= 0 else None
 
     @staticmethod
     def _best(gains: np.ndarray, table: np.ndarray, R: int) -> tuple[int, int, float]:
@@ -345,18 +326,18 @@ class Policy:
 
     def _explore(self, classes: set[int], gains: np.ndarray, known: np.ndarray, table: np.ndarray, R: int,
                  best_rate: float) -> tuple[int | None, float]:
-        """The largest thin tree (measured in fewer than KNOWN rows; it measures every smaller
-        one), else the chain if it is thin, played for every drafting row once the classes' credit
-        covers what it is predicted to lose against the best rate; and the credit still short."""
-        k = gains.shape[0]
-        thin = np.flatnonzero((known < KNOWN).any(0) & np.isfinite(table[:, k]))
+        """The largest thin tree (it measures every smaller one), else the chain if thin, once the credit
+        covers it (charged in observe, at what it really cost); and the credit still short."""
+        thin = np.flatnonzero((known < KNOWN).any(0) & np.isfinite(table[:, len(gains)]))
         if not len(thin):
             return None, np.inf
         arm = int(thin[-2] if thin[-1] == self.chain_arm and len(thin) > 1 else thin[-1])
-        short = table[arm, k] - (R + gains[:, arm].sum()) / best_rate - min(self._stats(c).credit for c in classes)
-        return (arm, 0.0) if short <= 0 else (None, short)  # charged in observe, at what it really cost
+        short = self._short(arm, gains, classes, table, R, best_rate)
+        return (arm, 0.0) if short <= 0 else (None, short)
 
-    # ---- learning ---------------------------------------------------------------------------------
+    def _short(self, arm: int, gains: np.ndarray, classes, table: np.ndarray, R: int, rate: float) -> float:
+        """The predicted loss of `arm` drafting the rows of `gains`, against `rate`, less their credit."""
+        return table[arm, len(gains)] - (R + gains[:, arm].sum()) / rate - min(self._stats(c).credit for c in classes)
 
     def observe(self, plan: RoundPlan, slots: list[int], accepted: list[int], measured: list | None,
                 seconds: float) -> None:
@@ -366,49 +347,38 @@ class Policy:
         ar_seconds = self.seconds(R, plan.keys, plan.sampled)[0]
         if self.cost.frozen:  # tensor parallel: every rank plans alike, so none uses its own clock
             seconds = plan.seconds or ar_seconds
+        arm = -1 if plan.arm is None else plan.arm  # timed / modelled seconds, per arm
+        modelled = plan.seconds / self.factor[arm]
+        if not self.cost.frozen and modelled > 0:
+            self.factor[arm] += FACTOR_RATE * (min(max(seconds / modelled, 0.5), 2.0) - self.factor[arm])
         if plan.arm is None:
             credit = PROBE * seconds
         else:
-            self._timed(plan.arm, plan.seconds / self.factor[plan.arm], seconds)
             saved = (R + sum(accepted)) * ar_seconds / R - seconds
-            # An exploration pays what it lost against AR steps, as it ran (a thin arm's cost is
-            # the least known part of its prediction).
+            # An exploration pays what it lost against AR steps as it ran (a thin arm's cost is least known).
             credit = PROBE * seconds + (min(0.0, saved) if plan.explored else EXPLORE * max(0.0, saved))
             for n, i in enumerate(plan.draft_rows):
                 s = slots[i]
-                st = self._stats(self._class_of(s))
-                base = min(measured[n][1] if plan.tree_rows else accepted[i], BASE)
-                if plan.tree_rows:  # every smaller tree exactly, and the chain along the spine
-                    counts, run, censored = measured[n]
-                    for arm, got in enumerate(counts):
-                        st.measured(arm, got, base)
-                    st.chain_run(run, censored and run < self.depth)
-                else:
-                    st.chain_run(accepted[i], False)
+                cls = self._class_of(s)
+                st = self._stats(cls)
+                counts, run, censored = measured[n] if plan.tree_rows else ([], accepted[i], False)
+                base = min(run, BASE)
+                for j, got in enumerate(counts):  # a tree round: every smaller tree exactly
+                    st.measured(j, got, base)
+                st.chain_run(run, censored and run < self.depth)  # the chain along the spine
                 st.leveled(base)
-                if self._class_of(s) >= 0:  # the opening says little of the request either
+                if cls >= 0:  # the opening says little of the request either
                     self.level[s] += max(REQUEST_RATE, 1.0 / (1.0 + self.measured[s])) * (base - self.level[s])
                     self.measured[s] += 1
         for c in {self.cls[s] for s in slots}:
             for st in (self._stats(c), self._stats(-1 - c)):
                 st.credit += credit
                 st.round += 1
-        if plan.arm is None and plan.seconds:
-            self._timed(-1, plan.seconds / self.factor[-1], seconds)
-
-    def _timed(self, arm: int, modelled: float, seconds: float) -> None:
-        if self.cost.frozen or modelled <= 0:
-            return
-        f = self.factor[arm]
-        self.factor[arm] = f + FACTOR_RATE * (min(max(seconds / modelled, 0.5), 2.0) - f)
-
-    # ---- seating ------------------------------------------------------------------------------------
 
     def admit(self, params: SamplingParams, rows: int) -> bool:
-        """May a request being seated ever draft? Not when its class has been measured and no
-        arm would pay in the batch it joins even at the best own level of the class's last RECENT
-        requests (its drafter then never sees it, and it costs what an `ar` request does), but
-        for one scout in SCOUT, whose rounds keep the class measured."""
+        """May a request being seated ever draft? Not once its class is measured and no arm would pay
+        in the batch it joins even at the best own level of its last RECENT requests (then it costs
+        what an `ar` request does), but for one scout in SCOUT, whose rounds keep the class measured."""
         cls = sampling_class(params)
         st = self._stats(cls)
         if st.level_rows + self._stats(-1 - cls).level_rows < SETTLE_ROWS:  # openings included
