@@ -857,11 +857,10 @@ def test_sampled_rows_pay_their_noise_per_node_and_position(pair):
 
 
 def test_tree_costs_follow_their_measured_points():
-    """The tree table is the tree builds' own timings (interpolated), whatever the chain build took."""
+    """The tree table is the tree builds' own timings (interpolated)."""
     v = {(r, n): 1e-3 * r * n for r in (1, 4) for n in (1, 2, 3, 5)}
     tr = {(1, 4): 1e-4, (1, 16): 2e-4, (4, 4): 3e-4, (4, 16): 6e-4}
-    model = cost_model._tables(v, {1: 1e-3, 4: 2e-3}, {1: 1e-4, 4: 4e-4}, tr, 5e-3, 4, [1, 2, 3, 5], [4, 16], 4, 5,
-                               16, 0.0)
+    model = cost_model._tables(v, {1: 1e-3, 4: 2e-3}, {1: 1e-4, 4: 4e-4}, tr, 4, [1, 2, 3, 5], [4, 16], 4, 5, 16, 0.0)
     for (r, b), s in tr.items():
         assert float(model.tree(r, b)) == pytest.approx(s)
 
