@@ -1,21 +1,11 @@
 """What a round costs on this machine: measured at startup, cached on disk, refined online.
 
-The speculation policy prices every plan with four tables:
-  verify(rows, window)     the target forward over rows x window nodes plus the per-node pick (a
-                           batch verifies one window for all its rows: shorter rows are padding);
-  draft(rows, depth)       one drafter pass over `rows` blocks plus the LM head on `depth` positions;
-  tree(rows, budget)       building `rows` top-budget trees;
-  overhead(rows, drafting) the rest of a round: walk, the one read, commits, the drafter's context.
-The tables hold rows CONTEXT keys deep; longer contexts add `keys` seconds per row and key (plus
-per row, node and key in the verify), since attention reads every committed key. The verify is
-timed greedy: a sampled row adds `sample` seconds (its first node, each further node, each
-further distinct position), the seeded noise over the vocabulary (on the CPU 20x the argmax). Each table is a
-grid over bucket points, interpolated linearly and extrapolated along its last slope.
-Startup times the points that matter most within a time budget and derives the rest: a dense
-forward costs mostly by the tokens it processes, so verify(R, N) ~ verify(1, R*N) + [verify(R, 1) -
-verify(1, R)], corrected by what was measured at the largest batch. Each round the runner times
-then nudges the points around it toward what it took. The measurement is cached per (target,
-drafter, device, dtype, threads) so the next start skips it.
+The policy prices every plan with four tables: verify(rows, window), the target forward and pick
+over one window for all rows; draft(rows, depth), a drafter pass with the LM head on `depth`
+positions; tree(rows, budget), the tree builds; overhead(rows, drafting), the rest of a round. They
+hold greedy rows CONTEXT keys deep (deeper keys and sampled rows are priced apart, `extra`). Startup
+times the points that matter most within a time budget and derives the rest (a dense forward costs
+mostly by its tokens); timed rounds then nudge the points around them.
 """
 
 from __future__ import annotations
@@ -56,13 +46,9 @@ def _scalar_bracket(points: np.ndarray, v: float) -> int:
 
 
 class Grid:
-    """Seconds over a 2-D grid of bucket points (each axis at least 2 points), bilinear.
-
-    `monotone` names the axes along which cost cannot fall (more rows, a wider window): after
-    every change each point is lifted to the smaller ones, so no plan can look cheaper by growing.
-    (Startup measurements are made monotone the other way, capped by the larger points, since
-    there noise only ever adds time: see _floor.)
-    """
+    """Seconds over a 2-D grid of bucket points (each axis at least 2 points), bilinear, extrapolated
+    along the last slope. Along the `monotone` axes each point is lifted to the smaller ones after
+    every change, so no plan can look cheaper by growing."""
 
     def __init__(self, xs, ys, values, monotone: tuple[int, ...] = (0, 1)) -> None:
         self.xs = np.asarray(xs, dtype=float)
@@ -85,9 +71,8 @@ class Grid:
         return np.maximum(out, 0.0)
 
     def nudge(self, x: float, y: float, observed: float, rate: float) -> None:
-        """Move the corners around (x, y) so the prediction there moves `rate` of the way to
-        `observed` (clipped: one outlier round, e.g. a burst of load, cannot double a cell).
-        Scalar code: it runs every round."""
+        """Move the corners around (x, y) so the prediction there moves `rate` of the way to `observed`
+        (clipped: one outlier round cannot double a cell). Scalar code: it runs with every refinement."""
         i = _scalar_bracket(self.xs, x)
         j = _scalar_bracket(self.ys, y)
         x0, x1, y0, y1 = self.xs[i], self.xs[i + 1], self.ys[j], self.ys[j + 1]
@@ -138,8 +123,6 @@ class CostModel:
         self.refined = 0  # rounds folded in
         self.frozen = False  # no online refinement (tensor parallelism: every rank must plan alike)
 
-    # ---- prediction ------------------------------------------------------------------------
-
     def round_seconds(self, rows: int, window: int, drafting: int, depth: int, tree_rows: int,
                       budget: int, keys: int = CONTEXT, sampled: int = 0) -> float:
         verify, draft, noise = self.extra(rows, window, drafting, keys, sampled, min(window, depth + 1))
@@ -183,8 +166,6 @@ class CostModel:
                 self.tree.nudge(tree_rows, budget, stages["tree"], rate)
                 modeled += stages["tree"]
         self.overhead.nudge(rows, 1 if drafting else 0, max(0.0, total - modeled), rate)
-
-    # ---- cache -------------------------------------------------------------------------------
 
     def as_dict(self) -> dict:
         return {"format": FORMAT, "coverage": self.coverage, "verify": self.verify.as_dict(),
@@ -300,10 +281,9 @@ def _interp(points: dict[int, float], x: float) -> float:
 @torch.inference_mode()
 def measure(target, drafter, passes: tuple[Callable, Callable], cache, draft_cache, max_rows: int, max_window: int,
             max_budget: int, seconds: float = DEFAULT_SECONDS) -> CostModel:
-    """Time the target's verify, the drafter pass and the tree build on slots 0..max_rows-1 after
-    CONTEXT committed rows each, most important points first, within `seconds`; derive the rest.
-    `passes` are the runner's own drafter pass and tree build (draft_pass, build), so what is timed
-    is what a round runs (DFlash2's selector included)."""
+    """Time the target's verify, the drafter pass and the tree build on slots 0..max_rows-1, CONTEXT
+    rows deep, most important points first, within `seconds`; derive the rest. `passes` are the
+    runner's own (draft_pass, build), so what is timed is what a round runs (selector included)."""
     draft_pass, build = passes
     global measurements
     measurements += 1
@@ -341,8 +321,7 @@ def measure(target, drafter, passes: tuple[Callable, Callable], cache, draft_cac
         d = min(b, depth)
         lg = logits(rows, d)
         markov = draft(rows, d)()[2]
-        if markov is not None:  # the selector's shapes, spread like the random logits (a pass on an
-            # empty context drafts one peaked guess, whose tree the build prunes to a fraction)
+        if markov is not None:  # the selector's shapes, random like the logits (docs/performance.md)
             k = markov[0].shape[-1]
             markov = (torch.arange(k, device=device).expand(rows, d, k),
                       torch.log_softmax(torch.randn(rows, d, k, k, generator=gen) * 4, -1).to(device))
@@ -391,10 +370,9 @@ def measure(target, drafter, passes: tuple[Callable, Callable], cache, draft_cac
 
 
 def _sample_costs(timer: _Timer, x: torch.Tensor) -> tuple[float, float, float]:
-    """Seconds a sampled row adds to the pick over logits x [rows, n, V]: its first node (an AR
-    step's), each further node (scaling, adding, the argmax) and each further distinct position
-    (hashing noise over the vocabulary). Costs per element grow with the working set, so the AR
-    step is timed apart."""
+    """Seconds a sampled row adds to the pick over logits x [rows, n, V]: its first node (timed apart:
+    costs per element grow with the working set), each further node and each further distinct
+    position (hashing noise over the vocabulary)."""
     rows, n, _ = x.shape
     greedy = SamplingBatch.build([SamplingParams()] * rows, [0] * rows, x.device)
     hot = SamplingBatch.build([SamplingParams(temperature=1.0)] * rows, list(range(rows)), x.device)

@@ -1,20 +1,12 @@
-"""The speculation policy (budget="auto"): each round, per row, plain AR steps, the chain, or a
-tree of b nodes, whichever measured acceptance and measured round costs predict gives the most
-tokens a second: rate = (R + sum over drafting rows of E_row(arm)) / seconds(R, arm, rows).
+"""The speculation policy (budget="auto"): each round, per row, plain AR steps, the chain or a tree
+of b nodes, whichever measured acceptance and round costs predict gives the most tokens a second:
+rate = (R + sum over drafting rows of E_row(arm)) / seconds(R, arm, rows).
 
-E is measured, not forecast: a verified tree tells exactly what every smaller top-b tree would
-have accepted (`by_size`), and the chain's run along its spine. Acceptance comes in streaks, so
-an estimate is paired: shape(arm) x (level + P), the shape per sampling class, the level the
-request's own recent base (its accepted run over the first BASE spine nodes). seconds() is the
-cost model's table times a factor per arm that timed rounds keep current. Rows join the drafting
-set in order of gain while each pays its share (a batch verifies one window for all its rows).
-
-A class with nothing measured plays the chain if the cost model says it pays with half its depth
-kept, else AR steps. A request's opening (its first PROBE_TOKENS tokens, right after the prompt)
-reads and teaches statistics of its own, and plays the chain or AR steps only. Exploration (an
-arm measured in few rows, or not lately) and one probe of each request on AR steps are paid from
-a credit of EXPLORE of the time drafting saved plus PROBE of all time, so where drafting never
-pays they cost about PROBE. docs/performance.md says why.
+E is measured: a verified tree tells what every smaller top-b tree would have accepted (`by_size`),
+and the chain's run along its spine. Acceptance comes in streaks, so E = shape(arm) x (level + P):
+a shape per sampling class, paired with the request's own recent base (its run over the first BASE
+spine nodes). Exploring thin arms, and probing each request on AR steps once, is paid from a credit
+of EXPLORE of the time drafting saved plus PROBE of all time. docs/performance.md says why.
 """
 
 from __future__ import annotations
@@ -107,10 +99,9 @@ def by_size(codes: list[int], sizes: list[int]) -> tuple[list[int], int, bool]:
 
 
 class ClassStats:
-    """Measured acceptance of one sampling class: the level of the base, every tree's shape (a
-    ratio of averages, accepted over base + P on the same rows), and the chain's survival by
-    depth, read from its own rounds and, censored where the spine ends, from every tree's spine.
-    Priors worth PRIOR_ROWS rows keep one unlucky round from ruling drafting out."""
+    """Measured acceptance of one sampling class: the level of the base, each tree's shape (a ratio of
+    averages) and the chain's survival by depth. Priors worth PRIOR_ROWS rows keep one unlucky round
+    from ruling drafting out."""
 
     def __init__(self, arms: int, depth: int) -> None:
         self.level, self.level_rows = BASE / 2, 0.0
@@ -213,10 +204,8 @@ class Policy:
         return self.classes[cls]
 
     def _class_of(self, s: int) -> int:
-        """Whose statistics a row reads and teaches: its sampling class's, kept apart (-1 - class)
-        for a request's opening, its first PROBE_TOKENS tokens, which follow the prompt and are
-        guessed unlike the text after them (on the held-out prompts the first rounds kept about
-        nothing at T = 0, as they do where drafting never pays). An opening only drafts the chain."""
+        """Whose statistics a row reads and teaches: its sampling class's, or apart (-1 - class) in its
+        opening, its first PROBE_TOKENS tokens, which are guessed unlike the text after them."""
         return -1 - self.cls[s] if self.tokens[s] < PROBE_TOKENS else self.cls[s]
 
     def _claim(self, req: Request) -> None:
@@ -229,9 +218,8 @@ class Policy:
             self.level[s], self.measured[s] = self._stats(self.cls[s]).level, 0.0
 
     def expected(self, classes: list[int], levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """[rows, arms]: the drafted tokens each row (its class, its level) is expected to keep,
-        and how many rows each estimate rests on (capped at KNOWN). A tree never measured is
-        expected to keep what the chain's first b nodes would, and no tree less than a smaller one."""
+        """[rows, arms]: the drafted tokens each row (its class and level) is expected to keep, and the rows
+        each estimate rests on (at most KNOWN). A tree never measured keeps what the chain's first b would."""
         uniq = sorted(set(classes))
         shapes, known = [], []
         for c in uniq:
@@ -248,8 +236,6 @@ class Policy:
         idx = [uniq.index(c) for c in classes]
         out = np.array(shapes)[idx] * (np.asarray(levels)[:, None] + P)
         return np.minimum(out, self.cap), np.array(known)[idx]
-
-    # ---- the plan ---------------------------------------------------------------------------------
 
     def plan(self, reqs: list[Request]) -> RoundPlan:
         R = len(reqs)
@@ -272,8 +258,7 @@ class Policy:
         slots = [reqs[i].slot for i in rows]
         self.tokens[slots] = [len(reqs[i].output_ids) for i in rows]
         classes = [self._class_of(s) for s in slots]
-        # A request's own level is noisy after a few rounds: taken at face value, the rows that
-        # were lucky would be the ones chosen to draft. It is shrunk toward its class's.
+        # Own levels are shrunk toward the class's: at face value, the lucky rows would be chosen to draft.
         own = self.measured[slots] / (self.measured[slots] + OWN_ROUNDS)
         levels = own * self.level[slots] + (1 - own) * np.array([self._stats(c).level for c in classes])
         gains, known = self.expected(classes, levels)  # [k, arms]
@@ -288,8 +273,7 @@ class Policy:
         elif rate <= ar_rate:
             probe = self._probe(reqs, rows, classes, gains, table, R, ar_rate)
             if probe is None:
-                # Nothing is measured under AR steps: the plan holds until the batch changes,
-                # the credit covers an exploration or a probe falls due.
+                # AR steps measure nothing: held until the batch changes, or an exploration or probe is due.
                 due = [PROBE_TOKENS - 1 - len(reqs[i].output_ids) for i in rows if not self.measured[reqs[i].slot]]
                 self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])))
                 return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds, keys=keys, sampled=sampled)
@@ -304,9 +288,8 @@ class Policy:
 
     def _probe(self, reqs: list[Request], rows: list[int], classes: list[int], gains: np.ndarray, table: np.ndarray,
                R: int, ar_rate: float) -> list[int] | None:
-        """Rows whose requests were never measured, past their first PROBE_TOKENS tokens: the
-        chain drafts for them once, paid from credit, since under AR steps nothing measures them
-        and a class's numbers say little of a new request."""
+        """Rows whose requests were never measured, past their openings: the chain drafts for them
+        once, paid from credit (under AR steps nothing measures them, and a class says little of them)."""
         fresh = [j for j, i in enumerate(rows)
                  if not self.measured[reqs[i].slot] and len(reqs[i].output_ids) >= PROBE_TOKENS]
         if not fresh or not np.isfinite(table[self.chain_arm, len(fresh)]):
