@@ -821,8 +821,8 @@ def test_keys_past_the_tables_context_are_priced_per_row_node_and_drafting_row()
     assert table[policy.chain_arm, 3] == pytest.approx(cost.round_seconds(4, chain.window, 3, chain.depth, 0, 0,
                                                                            keys=deep))
     before = cost.verify.values.copy(), cost.draft.values.copy()
-    stages = {"verify": float(cost.verify(4, 16)) + sum(cost.deeper(4, 16, 0, deep)),
-              "draft_pass": float(cost.draft(4, 15)) + cost.deeper(4, 16, 4, deep)[1], "tree": 0.0}
+    stages = {"verify": float(cost.verify(4, 16)) + sum(cost.extra(4, 16, 0, deep)),
+              "draft_pass": float(cost.draft(4, 15)) + cost.extra(4, 16, 4, deep)[1], "tree": 0.0}
     cost.refine(4, 16, 4, 15, 0, 0, stages, stages["verify"] + stages["draft_pass"], keys=deep)
     assert np.allclose(cost.verify.values, before[0]) and np.allclose(cost.draft.values, before[1])
 
@@ -847,8 +847,8 @@ def test_sampled_rows_pay_their_noise_per_node_and_position(pair):
     assert cost.round_seconds(4, chain.window, 2, chain.depth, 0, 0, sampled=3) == pytest.approx(
         table[policy.chain_arm, 2])
     before = cost.verify.values.copy()
-    stages = {"verify": float(cost.verify(4, 16)) + cost.sampling(3, 16, 16), "draft_pass": float(cost.draft(4, 15)),
-              "tree": 0.0}
+    stages = {"verify": float(cost.verify(4, 16)) + cost.extra(4, 16, 0, sampled=3, positions=16)[2],
+              "draft_pass": float(cost.draft(4, 15)), "tree": 0.0}
     cost.refine(4, 16, 4, 15, 0, 0, stages, stages["verify"] + stages["draft_pass"], sampled=3)
     assert np.allclose(cost.verify.values, before)
     greedy = _run(Policy(cost, 16, 16, 64, 4096), _requests(4), accept=0.9, rounds=3)
@@ -857,11 +857,10 @@ def test_sampled_rows_pay_their_noise_per_node_and_position(pair):
 
 
 def test_tree_costs_follow_their_measured_points():
-    """The tree table is the tree builds' own timings (interpolated), whatever the chain build took."""
+    """The tree table is the tree builds' own timings (interpolated)."""
     v = {(r, n): 1e-3 * r * n for r in (1, 4) for n in (1, 2, 3, 5)}
     tr = {(1, 4): 1e-4, (1, 16): 2e-4, (4, 4): 3e-4, (4, 16): 6e-4}
-    model = cost_model._tables(v, {1: 1e-3, 4: 2e-3}, {1: 1e-4, 4: 4e-4}, tr, 5e-3, 4, [1, 2, 3, 5], [4, 16], 4, 5,
-                               16, 0.0)
+    model = cost_model._tables(v, {1: 1e-3, 4: 2e-3}, {1: 1e-4, 4: 4e-4}, tr, 4, [1, 2, 3, 5], [4, 16], 4, 5, 16, 0.0)
     for (r, b), s in tr.items():
         assert float(model.tree(r, b)) == pytest.approx(s)
 

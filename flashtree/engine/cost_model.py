@@ -1,26 +1,17 @@
 """What a round costs on this machine: measured at startup, cached on disk, refined online.
 
-The speculation policy prices every plan with four tables:
-  verify(rows, window)     the target forward over rows x window nodes plus the per-node pick (a
-                           batch verifies one window for all its rows: shorter rows are padding);
-  draft(rows, depth)       one drafter pass over `rows` blocks plus the LM head on `depth` positions;
-  tree(rows, budget)       building `rows` top-budget trees;
-  overhead(rows, drafting) the rest of a round: walk, the one read, commits, the drafter's context.
-The tables hold rows CONTEXT keys deep; longer contexts add `keys` seconds per row and key (plus
-per row, node and key in the verify), since attention reads every committed key. The verify is
-timed greedy: a sampled row adds `sample` seconds (its first node, each further node, each
-further distinct position), the seeded noise over the vocabulary (on the CPU 20x the argmax). Each table is a
-grid over bucket points, interpolated linearly and extrapolated along its last slope.
-Startup times the points that matter most within a time budget and derives the rest: a dense
-forward costs mostly by the tokens it processes, so verify(R, N) ~ verify(1, R*N) + [verify(R, 1) -
-verify(1, R)], corrected by what was measured at the largest batch. Each round the runner times
-then nudges the points around it toward what it took. The measurement is cached per (target,
-drafter, device, dtype, threads) so the next start skips it.
+The policy prices every plan with four tables: verify(rows, window), the target forward and pick
+over one window for all rows; draft(rows, depth), a drafter pass with the LM head on `depth`
+positions; tree(rows, budget), the tree builds; overhead(rows, drafting), the rest of a round. They
+hold greedy rows CONTEXT keys deep (deeper keys and sampled rows are priced apart, `extra`). Startup
+times the points that matter most within a time budget and derives the rest (a dense forward costs
+mostly by its tokens); timed rounds then nudge the points around them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -34,6 +25,7 @@ import torch
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.sampler import SamplingBatch, pick
 from flashtree.sampling import SamplingParams
+from flashtree.tree import chain_spec
 
 FORMAT = 4  # bump when the tables change meaning: older cache files are then re-measured
 WINDOWS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025)
@@ -50,18 +42,13 @@ def _bracket(points: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 
 
 def _scalar_bracket(points: np.ndarray, v: float) -> int:
-    i = int(np.searchsorted(points, v, side="right")) - 1
-    return min(max(i, 0), len(points) - 2)
+    return min(max(int(np.searchsorted(points, v, side="right")) - 1, 0), len(points) - 2)
 
 
 class Grid:
-    """Seconds over a 2-D grid of bucket points (each axis at least 2 points), bilinear.
-
-    `monotone` names the axes along which cost cannot fall (more rows, a wider window): after
-    every change each point is lifted to the smaller ones, so no plan can look cheaper by growing.
-    (Startup measurements are made monotone the other way, capped by the larger points, since
-    there noise only ever adds time: see _floor.)
-    """
+    """Seconds over a 2-D grid of bucket points (each axis at least 2 points), bilinear, extrapolated
+    along the last slope. Along the `monotone` axes each point is lifted to the smaller ones after
+    every change, so no plan can look cheaper by growing."""
 
     def __init__(self, xs, ys, values, monotone: tuple[int, ...] = (0, 1)) -> None:
         self.xs = np.asarray(xs, dtype=float)
@@ -84,9 +71,8 @@ class Grid:
         return np.maximum(out, 0.0)
 
     def nudge(self, x: float, y: float, observed: float, rate: float) -> None:
-        """Move the corners around (x, y) so the prediction there moves `rate` of the way to
-        `observed` (clipped: one outlier round, e.g. a burst of load, cannot double a cell).
-        Scalar code: it runs every round."""
+        """Move the corners around (x, y) so the prediction there moves `rate` of the way to `observed`
+        (clipped: one outlier round cannot double a cell). Scalar code: it runs with every refinement."""
         i = _scalar_bracket(self.xs, x)
         j = _scalar_bracket(self.ys, y)
         x0, x1, y0, y1 = self.xs[i], self.xs[i + 1], self.ys[j], self.ys[j + 1]
@@ -113,11 +99,7 @@ class Grid:
 
 def row_points(max_rows: int) -> list[int]:
     """1, 2, 4, ... below max_rows, then max_rows (at least two points)."""
-    pts, r = [], 1
-    while r < max_rows:
-        pts.append(r)
-        r *= 2
-    return pts + [max_rows] if max_rows > 1 else [1, 2]
+    return [1 << k for k in range((max_rows - 1).bit_length())] + [max_rows] if max_rows > 1 else [1, 2]
 
 
 def window_points(max_window: int) -> list[int]:
@@ -141,33 +123,25 @@ class CostModel:
         self.refined = 0  # rounds folded in
         self.frozen = False  # no online refinement (tensor parallelism: every rank must plan alike)
 
-    # ---- prediction ------------------------------------------------------------------------
-
     def round_seconds(self, rows: int, window: int, drafting: int, depth: int, tree_rows: int,
                       budget: int, keys: int = CONTEXT, sampled: int = 0) -> float:
-        t = float(self.verify(rows, window)) + float(self.overhead(rows, 1 if drafting else 0))
-        t += self.sampling(sampled, window, min(window, depth + 1))
+        verify, draft, noise = self.extra(rows, window, drafting, keys, sampled, min(window, depth + 1))
+        t = float(self.verify(rows, window)) + float(self.overhead(rows, 1 if drafting else 0)) + noise
         if drafting:
             t += float(self.draft(drafting, depth))
             if tree_rows:
                 t += float(self.tree(tree_rows, budget))
-        verify, draft = self.deeper(rows, window, drafting, keys)
         return max(t + verify + draft, 0.5 * t) * self.scale
 
-    def deeper(self, rows, window, drafting, keys: int) -> tuple:
-        """What `keys` committed keys per row add to the verify and to the drafter pass over the
-        tables' CONTEXT (negative below it); numpy arrays broadcast."""
+    def extra(self, rows, window, drafting, keys: int = CONTEXT, sampled: int = 0, positions=1) -> tuple:
+        """What the tables (greedy, CONTEXT keys deep) leave out: (verify, drafter pass) seconds of `keys`
+        committed keys a row (negative below CONTEXT), and the seeded noise of `sampled` rows over `window`
+        nodes at `positions` distinct positions (nodes at one depth share it). Numpy arrays broadcast."""
         per_row, per_node, per_draft = self.keys
-        extra = keys - CONTEXT
-        return (per_row + per_node * window) * rows * extra, per_draft * drafting * extra
-
-    def sampling(self, sampled, window, positions):
-        """What drawing `sampled` rows' tokens adds to the greedy verify the tables hold: `window`
-        nodes a row over `positions` distinct positions (a tree's nodes at one depth share noise)."""
-        first, per_node, per_position = self.sample
-        return sampled * (first + per_node * (window - 1) + per_position * (positions - 1))
-
-    # ---- online refinement -----------------------------------------------------------------
+        first, node, position = self.sample
+        deeper = keys - CONTEXT
+        return ((per_row + per_node * window) * rows * deeper, per_draft * drafting * deeper,
+                sampled * (first + node * (window - 1) + position * (positions - 1)))
 
     def refine(self, rows: int, window: int, drafting: int, depth: int, tree_rows: int, budget: int,
                stages: dict[str, float] | None, total: float, rate: float = 0.1, keys: int = CONTEXT,
@@ -182,9 +156,8 @@ class CostModel:
             if predicted > 0:
                 self.scale += rate * (min(max(total / predicted, 0.5), 2.0) - self.scale)
             return
-        verify, draft = self.deeper(rows, window, drafting, keys)  # the tables hold CONTEXT keys, greedy
-        verify += self.sampling(sampled, window, min(window, depth + 1))
-        self.verify.nudge(rows, window, stages["verify"] - verify, rate)
+        verify, draft, noise = self.extra(rows, window, drafting, keys, sampled, min(window, depth + 1))
+        self.verify.nudge(rows, window, stages["verify"] - (verify + noise), rate)
         modeled = stages["verify"]
         if drafting:
             self.draft.nudge(drafting, depth, stages["draft_pass"] - draft, rate)
@@ -193,8 +166,6 @@ class CostModel:
                 self.tree.nudge(tree_rows, budget, stages["tree"], rate)
                 modeled += stages["tree"]
         self.overhead.nudge(rows, 1 if drafting else 0, max(0.0, total - modeled), rate)
-
-    # ---- cache -------------------------------------------------------------------------------
 
     def as_dict(self) -> dict:
         return {"format": FORMAT, "coverage": self.coverage, "verify": self.verify.as_dict(),
@@ -207,10 +178,6 @@ class CostModel:
                    Grid.from_dict(d["overhead"]), d["coverage"], source="cache", keys=tuple(d["keys"]),
                    sample=tuple(d["sample"]))
 
-    def covers(self, rows: int, window: int, budget: int) -> bool:
-        c = self.coverage
-        return c["rows"] >= rows and c["window"] >= window and c["budget"] >= budget
-
 
 # ---- where the cache lives -----------------------------------------------------------------
 
@@ -219,26 +186,18 @@ def cache_dir(setting: str | None) -> Path | None:
     else $XDG_CACHE_HOME/flashtree, else ~/.cache/flashtree."""
     if setting == "off":
         return None
-    if setting:
-        return Path(setting).expanduser()
-    if os.environ.get("FLASHTREE_CACHE_DIR"):
-        return Path(os.environ["FLASHTREE_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "flashtree"
+    if setting or os.environ.get("FLASHTREE_CACHE_DIR"):
+        return Path(setting or os.environ["FLASHTREE_CACHE_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flashtree"
 
 
 def _files(module) -> list[list]:
     """(name, size, mtime_ns) of a checkpoint's config and weights: changes when it is replaced."""
-    src = getattr(module, "source_dir", None)
-    if src is None:
+    if getattr(module, "source_dir", None) is None:
         return []
-    src = Path(src)
-    out = []
-    for f in sorted(src.glob("*.safetensors")) + [src / "config.json"]:
-        if f.is_file():
-            st = f.stat()
-            out.append([f.name, st.st_size, st.st_mtime_ns])
-    return [[str(src.resolve())]] + out
+    src = Path(module.source_dir)
+    files = [f for f in sorted(src.glob("*.safetensors")) + [src / "config.json"] if f.is_file()]
+    return [[str(src.resolve())]] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
 def cache_key(target, drafter, device: torch.device, dtype: torch.dtype, selector: bool = False) -> dict:
@@ -253,15 +212,13 @@ def cache_path(directory: Path, key: dict) -> Path:
 
 
 def load(path: Path | None, key: dict) -> CostModel | None:
-    if path is None or not path.is_file():
+    if path is None:
         return None
     try:
         data = json.loads(path.read_text())
-        if data.get("key") != key or data.get("format") != FORMAT:
-            return None
-        return CostModel.from_dict(data)
+        return CostModel.from_dict(data) if data.get("key") == key and data.get("format") == FORMAT else None
     except (OSError, ValueError, KeyError, TypeError):
-        return None  # a damaged or foreign file is measured over
+        return None  # none yet, or a damaged or foreign file: measured over
 
 
 def save(path: Path | None, key: dict, model: CostModel) -> None:
@@ -314,8 +271,8 @@ class _Timer:
 def _interp(points: dict[int, float], x: float) -> float:
     """Piecewise-linear through measured points, extrapolated along the outer slopes."""
     xs = sorted(points)
-    if len(xs) == 1:
-        return points[xs[0]] * max(1.0, x / xs[0]) if x > xs[0] else points[xs[0]]
+    if len(xs) == 1:  # proportional above the point
+        return points[xs[0]] * max(1.0, x / xs[0])
     i = int(np.clip(np.searchsorted(xs, x, side="right") - 1, 0, len(xs) - 2))
     x0, x1 = xs[i], xs[i + 1]
     return max(0.0, points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0))
@@ -324,42 +281,35 @@ def _interp(points: dict[int, float], x: float) -> float:
 @torch.inference_mode()
 def measure(target, drafter, passes: tuple[Callable, Callable], cache, draft_cache, max_rows: int, max_window: int,
             max_budget: int, seconds: float = DEFAULT_SECONDS) -> CostModel:
-    """Time the target's verify, the drafter pass and the tree build on slots 0..max_rows-1 after
-    CONTEXT committed rows each, most important points first, within `seconds`; derive the rest.
-    `passes` are the runner's own drafter pass and tree build (draft_pass, build), so what is timed
-    is what a round runs (DFlash2's selector included)."""
+    """Time the target's verify, the drafter pass and the tree build on slots 0..max_rows-1, CONTEXT
+    rows deep, most important points first, within `seconds`; derive the rest. `passes` are the
+    runner's own (draft_pass, build), so what is timed is what a round runs (selector included)."""
     draft_pass, build = passes
     global measurements
     measurements += 1
     device = target.embed_tokens.weight.device
     timer = _Timer(device, seconds)
-    rows_max = max_rows
     ctx = max(1, min(CONTEXT, cache.max_len - max_window - 2))
-    for s in range(rows_max):
-        cache.set_length(s, ctx)
-        draft_cache.set_length(s, ctx)
-    L = drafter.block_size
-    depth = L - 1
-    V = target.vocab_size
+
+    def lengths(n: int) -> None:  # every slot's committed rows, target and drafter
+        for s in range(max_rows):
+            cache.set_length(s, n)
+            draft_cache.set_length(s, n)
+
+    lengths(ctx)
+    depth = drafter.block_size - 1
     gen = torch.Generator(device="cpu").manual_seed(0)
     layers = tuple(drafter.args.target_layer_ids)
 
     def logits(rows: int, d: int) -> torch.Tensor:
-        return (torch.randn(rows, max(1, d), V, generator=gen) * 4).to(device)
+        return (torch.randn(rows, max(1, d), target.vocab_size, generator=gen) * 4).to(device)
 
     def verify(rows: int, n: int):
         batch = SlotBatch.of(cache, list(range(rows)))
         roots = torch.zeros(rows, dtype=torch.long, device=device)
-        spec = build(roots, logits(rows, min(n - 1, depth)), None, n - 1) if n > 1 else None
-        if spec is None:
-            from flashtree.tree import chain_spec
-
-            spec = chain_spec(roots[:, None])
-
-        def run():
-            ctx_ = ForwardContext.verify(cache, batch, spec)
-            target(spec.tokens.clamp(min=0), ctx_, layers).logits.argmax(-1)
-        return run
+        spec = build(roots, logits(rows, min(n - 1, depth)), None, n - 1) if n > 1 else chain_spec(roots[:, None])
+        return lambda: target(spec.tokens.clamp(min=0), ForwardContext.verify(cache, batch, spec),
+                              layers).logits.argmax(-1)
 
     def draft(rows: int, d: int):
         batch = SlotBatch.of(draft_cache, list(range(rows)))
@@ -371,8 +321,7 @@ def measure(target, drafter, passes: tuple[Callable, Callable], cache, draft_cac
         d = min(b, depth)
         lg = logits(rows, d)
         markov = draft(rows, d)()[2]
-        if markov is not None:  # the selector's shapes, spread like the random logits (a pass on an
-            # empty context drafts one peaked guess, whose tree the build prunes to a fraction)
+        if markov is not None:  # the selector's shapes, random like the logits (docs/performance.md)
             k = markov[0].shape[-1]
             markov = (torch.arange(k, device=device).expand(rows, d, k),
                       torch.log_softmax(torch.randn(rows, d, k, k, generator=gen) * 4, -1).to(device))
@@ -380,66 +329,50 @@ def measure(target, drafter, passes: tuple[Callable, Callable], cache, draft_cac
 
     windows = window_points(max_window)
     budgets = [b for b in TREE_BUDGETS if b < max_budget] + [max_budget]
-    v: dict[tuple[int, int], float] = {}
-    body: dict[int, float] = {}
-    head: dict[int, float] = {}
-    tr: dict[tuple[int, int], float] = {}
+    v, tr, body, head = {}, {}, {}, {}  # seconds by (rows, window), (rows, budget), rows and rows
     # Most important first: what AR, a small tree and the drafter cost at both batch ends.
-    plan: list[tuple] = [("v", 1, 1), ("v", rows_max, 1), ("d", 1), ("d", rows_max), ("t", 1, budgets[0]),
-                         ("t", rows_max, budgets[0])]
-    plan += [("v", 1, n) for n in windows[1:4]] + [("v", rows_max, n) for n in windows[1:3]]
-    plan += [("t", 1, b) for b in budgets[1:3]] + [("t", rows_max, b) for b in budgets[1:2]]
-    plan += [("v", 1, n) for n in windows[4:]] + [("v", r, 1) for r in row_points(rows_max)[1:-1]]
-    plan += [("v", rows_max, n) for n in windows[3:6]] + [("t", 1, b) for b in budgets[3:]]
+    plan = [("v", 1, 1), ("v", max_rows, 1), ("d", 1, 0), ("d", max_rows, 0), ("t", 1, budgets[0]),
+            ("t", max_rows, budgets[0])]
+    plan += [("v", 1, n) for n in windows[1:4]] + [("v", max_rows, n) for n in windows[1:3]]
+    plan += [("t", 1, b) for b in budgets[1:3]] + [("t", max_rows, b) for b in budgets[1:2]]
+    plan += [("v", 1, n) for n in windows[4:]] + [("v", r, 1) for r in row_points(max_rows)[1:-1]]
+    plan += [("v", max_rows, n) for n in windows[3:6]] + [("t", 1, b) for b in budgets[3:]]
     plan = list(dict.fromkeys(plan))
-    for i, item in enumerate(plan):
+    for i, (kind, r, n) in enumerate(plan):
         if i >= 6 and timer.spent:
             break
-        kind = item[0]
-        if kind == "v":
-            _, r, n = item
-            if r * n <= max(4096, rows_max * 2) or r == 1:
-                v[r, n] = timer(verify(r, n))
+        if kind == "v" and (r * n <= max(4096, max_rows * 2) or r == 1):
+            v[r, n] = timer(verify(r, n))
         elif kind == "d":
-            _, r = item
             # The LM head (and the selector) scale with the depths scored, the drafter's body does not.
             full = timer(draft(r, depth))
             head[r] = min(full, max(0.0, full - timer(draft(r, 1))) * depth / max(1, depth - 1))
             body[r] = full - head[r]
-        else:
-            _, r, b = item
-            tr[r, b] = timer(tree(r, b))
-    chain_roots, chain_logits = torch.zeros(rows_max, dtype=torch.long, device=device), logits(rows_max, depth)
-    chain_markov = draft(rows_max, depth)()[2]
-    chain_cost = timer(lambda: build(chain_roots, chain_logits, chain_markov, 0))
+        elif kind == "t":
+            tr[r, n] = timer(tree(r, n))
     keys = (0.0, 0.0, 0.0)
-    deep = min(8 * CONTEXT, cache.max_len - max_window - 2, draft_cache.max_len - 2 * L)
+    deep = min(8 * CONTEXT, cache.max_len - max_window - 2, draft_cache.max_len - 2 * (depth + 1))
     if ctx == CONTEXT and deep >= 2 * CONTEXT:
         # The same verify (one node and a wider window) and drafter pass, DEEP keys behind each row.
         wide = windows[min(4, len(windows) - 1)]
         points = []
         for length in (ctx, deep):
-            for s in range(rows_max):
-                cache.set_length(s, length)
-                draft_cache.set_length(s, length)
-            points.append([timer(verify(rows_max, 1)), timer(verify(rows_max, wide)), timer(draft(rows_max, depth))])
+            lengths(length)
+            points.append([timer(verify(max_rows, 1)), timer(verify(max_rows, wide)), timer(draft(max_rows, depth))])
         (ar, win, dr), (ar2, win2, dr2) = points
-        span = rows_max * (deep - ctx)
+        span = max_rows * (deep - ctx)
         per_node = max(0.0, (win2 - win - (ar2 - ar)) / ((wide - 1) * span))
         keys = (max(0.0, (ar2 - ar) / span - per_node), per_node, max(0.0, (dr2 - dr) / span))
-    for s in range(rows_max):
-        cache.set_length(s, 0)
-        draft_cache.set_length(s, 0)
-    sample = _sample_costs(timer, logits(rows_max, L))  # the chain's window: the common drafting round
-    return _tables(v, body, head, tr, chain_cost, rows_max, windows, budgets, depth, max_window, max_budget,
+    lengths(0)
+    sample = _sample_costs(timer, logits(max_rows, depth + 1))  # over the chain's window, the common round
+    return _tables(v, body, head, tr, max_rows, windows, budgets, depth, max_window, max_budget,
                    time.perf_counter() - timer.start, keys, sample)
 
 
 def _sample_costs(timer: _Timer, x: torch.Tensor) -> tuple[float, float, float]:
-    """Seconds a sampled row adds to the pick over logits x [rows, n, V]: its first node (an AR
-    step's), each further node (scaling, adding, the argmax) and each further distinct position
-    (hashing noise over the vocabulary). Costs per element grow with the working set, so the AR
-    step is timed apart."""
+    """Seconds a sampled row adds to the pick over logits x [rows, n, V]: its first node (timed apart:
+    costs per element grow with the working set), each further node and each further distinct
+    position (hashing noise over the vocabulary)."""
     rows, n, _ = x.shape
     greedy = SamplingBatch.build([SamplingParams()] * rows, [0] * rows, x.device)
     hot = SamplingBatch.build([SamplingParams(temperature=1.0)] * rows, list(range(rows)), x.device)
@@ -458,22 +391,12 @@ def _sample_costs(timer: _Timer, x: torch.Tensor) -> tuple[float, float, float]:
 
 
 def _floor(points: dict[int, float]) -> dict[int, float]:
-    """Cap each point by every larger one: true cost never falls as the size grows, and noise
-    from other processes only ever adds time."""
-    out, low = {}, float("inf")
-    for x in sorted(points, reverse=True):
-        low = min(low, points[x])
-        out[x] = low
-    return out
+    """Cap each point by every larger one: cost never falls as the size grows, and noise only adds time."""
+    xs = sorted(points, reverse=True)
+    return dict(zip(xs, itertools.accumulate((points[x] for x in xs), min)))
 
 
-def _clamped(points: dict[int, float], x: float) -> float:
-    """Interpolated inside the measured range, the nearest end outside it."""
-    xs = sorted(points)
-    return _interp(points, min(max(x, xs[0]), xs[-1]))
-
-
-def _tables(v, body, head, tr, chain_cost, rows_max, windows, budgets, depth, max_window, max_budget,
+def _tables(v, body, head, tr, rows_max, windows, budgets, depth, max_window, max_budget,
             seconds, keys=(0.0, 0.0, 0.0), sample=(0.0, 0.0, 0.0)) -> CostModel:
     rows = row_points(rows_max)
     single = _floor({n: s for (r, n), s in v.items() if r == 1})  # tokens -> seconds at one row
@@ -484,12 +407,11 @@ def _tables(v, body, head, tr, chain_cost, rows_max, windows, budgets, depth, ma
 
     at_max = {n: float(np.clip(s / max(derived(rows_max, n), 1e-9), 0.5, 2.0))
               for (r, n), s in v.items() if r == rows_max}
-    values = np.zeros((len(rows), len(windows)))
-    for a, r in enumerate(rows):
-        for b, n in enumerate(windows):
-            ratio = _clamped(at_max, n) if at_max else 1.0
-            frac = (r - 1) / (rows_max - 1) if rows_max > 1 else 0.0
-            values[a, b] = v.get((r, n), derived(r, n) * (1 + (ratio - 1) * frac))
+    # What was measured at the largest batch corrects the derived points, in proportion to their rows.
+    ratio = {n: _interp(at_max, min(max(n, min(at_max)), max(at_max))) if at_max else 1.0 for n in windows}
+    frac = {r: (r - 1) / (rows_max - 1) if rows_max > 1 else 0.0 for r in rows}
+    values = np.array([[v.get((r, n), derived(r, n) * (1 + (ratio[n] - 1) * frac[r])) for n in windows] for r in rows],
+                      dtype=float)
     values = np.minimum.accumulate(values[:, ::-1], axis=1)[:, ::-1]  # the rule of _floor, both ways
     values = np.minimum.accumulate(values[::-1], axis=0)[::-1]
     verify = Grid(rows, windows, values)
@@ -504,8 +426,7 @@ def _tables(v, body, head, tr, chain_cost, rows_max, windows, budgets, depth, ma
     tvals = []
     for r in tree_rows:
         pts = {b: s for (rr, b), s in tr.items() if rr == r} or {b: s * r for (rr, b), s in tr.items() if rr == 1}
-        pts = _floor(pts) if pts else {tb[0]: chain_cost}
-        tvals.append([_interp(pts, b) for b in tb])
+        tvals.append([_interp(_floor(pts), b) for b in tb])
     tree = Grid(tree_rows, tb, tvals)
     overhead = Grid(rows, [0, 1], np.zeros((len(rows), 2)), monotone=(0,))
     return CostModel(verify, draft, tree, overhead, {"rows": rows_max, "window": max_window, "budget": max_budget},
@@ -520,14 +441,14 @@ def startup(target, drafter, passes: tuple[Callable, Callable], cache, draft_cac
     directory = cache_dir(cache_setting)
     path = cache_path(directory, key) if directory is not None else None
     model = load(path, key)
-    if model is not None and model.covers(max_rows, max_window, max_budget):
-        return model, path, key
-    if model is not None:  # measure at least what the cache covered, so engines do not take turns
+    if model is not None:
         c = model.coverage
-        max_rows, max_window, max_budget = max(max_rows, c["rows"]), max(max_window, c["window"]), \
-            max(max_budget, c["budget"])
-        max_rows = min(max_rows, cache.k.shape[1])
-        max_window = min(max_window, cache.max_len - 2)
+        if c["rows"] >= max_rows and c["window"] >= max_window and c["budget"] >= max_budget:
+            return model, path, key
+        # Measure at least what the cache covered, so engines do not take turns.
+        max_rows = min(max(max_rows, c["rows"]), cache.k.shape[1])
+        max_window = min(max(max_window, c["window"]), cache.max_len - 2)
+        max_budget = max(max_budget, c["budget"])
     where = f"; cached in {path.parent}" if path is not None else ""
     loud = getattr(getattr(target, "tp", None), "rank", 0) == 0  # under tensor parallelism, rank 0 alone prints
     if loud:

@@ -1,25 +1,18 @@
-"""The speculation policy (budget="auto"): each round, per row, plain AR steps, the chain, or a
-tree of b nodes, whichever measured acceptance and measured round costs predict gives the most
-tokens a second: rate = (R + sum over drafting rows of E_row(arm)) / seconds(R, arm, rows).
+"""The speculation policy (budget="auto"): each round, per row, plain AR steps, the chain or a tree
+of b nodes, whichever measured acceptance and round costs predict gives the most tokens a second:
+rate = (R + sum over drafting rows of E_row(arm)) / seconds(R, arm, rows).
 
-E is measured, not forecast: a verified tree tells exactly what every smaller top-b tree would
-have accepted (`by_size`), and the chain's run along its spine. Acceptance comes in streaks, so
-an estimate is paired: shape(arm) x (level + P), the shape per sampling class, the level the
-request's own recent base (its accepted run over the first BASE spine nodes). seconds() is the
-cost model's table times a factor per arm that timed rounds keep current. Rows join the drafting
-set in order of gain while each pays its share (a batch verifies one window for all its rows).
-
-A class with nothing measured plays the chain if the cost model says it pays with half its depth
-kept, else AR steps. A request's opening (its first PROBE_TOKENS tokens, right after the prompt)
-reads and teaches statistics of its own, and plays the chain or AR steps only. Exploration (an
-arm measured in few rows, or not lately) and one probe of each request on AR steps are paid from
-a credit of EXPLORE of the time drafting saved plus PROBE of all time, so where drafting never
-pays they cost about PROBE. docs/performance.md says why.
+E is measured: a verified tree tells what every smaller top-b tree would have accepted (`by_size`),
+and the chain's run along its spine. Acceptance comes in streaks, so E = shape(arm) x (level + P):
+a shape per sampling class, paired with the request's own recent base (its run over the first BASE
+spine nodes). Exploring thin arms, and probing each request on AR steps once, is paid from a credit
+of EXPLORE of the time drafting saved plus PROBE of all time. docs/performance.md says why.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -87,38 +80,28 @@ def fixed_plan(rows: int, method: str, block_size: int, budget: int) -> RoundPla
     if method == "ar":
         return RoundPlan([AR] * rows, predicted=[0.0] * rows)
     if method == "dflash":
-        n = block_size - 1
-        return RoundPlan([CHAIN] * rows, window=block_size, chain=n, depth=n, draft_rows=list(range(rows)),
-                         predicted=[0.0] * rows)
+        return RoundPlan([CHAIN] * rows, window=block_size, chain=block_size - 1, depth=block_size - 1,
+                         draft_rows=list(range(rows)), predicted=[0.0] * rows)
     return RoundPlan([TREE] * rows, window=budget + 1, budget=budget, depth=min(budget, block_size - 1),
                      draft_rows=list(range(rows)), tree_rows=rows, predicted=[0.0] * rows)
 
 
 def by_size(codes: list[int], sizes: list[int]) -> tuple[list[int], int, bool]:
     """What one tree round measured, from its accepted path's codes (runner.path_codes: per node,
-    root first, 4 x its rank in the tree + 2 where it has a child in the tree + 1 where it is its
-    parent's best child; -1 past the path): the drafted tokens the top-b tree would have accepted
-    for each b in sizes (it holds the nodes ranked b or better, and ranks grow along a path), the
-    path's run along the spine (what the chain would have accepted), and whether that run reached
-    the end of the tree's spine, past which the chain's draft goes on unmeasured."""
-    ranks = []
-    run, spine, last = 0, True, codes[0]
-    for c in codes[1:]:
-        if c < 0:
-            break
-        ranks.append(c >> 2)
-        spine = spine and bool(c & 1)
-        if spine:
-            run += 1
-            last = c
-    return [bisect.bisect_right(ranks, b) for b in sizes], run, spine and not last & 2
+    root first, 4 x rank + 2 if it has a child in the tree + 1 if it is its parent's best child; -1
+    past the path): per b in sizes, the drafted tokens the top-b tree would have accepted (ranks grow
+    along a path); the run along the spine (the chain's); and whether it reached the spine's end."""
+    path = list(itertools.takewhile(lambda c: c >= 0, codes[1:]))
+    ranks = [c >> 2 for c in path]
+    run = next((i for i, c in enumerate(path) if not c & 1), len(path))
+    end = path[run - 1] if run else codes[0]
+    return [bisect.bisect_right(ranks, b) for b in sizes], run, run == len(path) and not end & 2
 
 
 class ClassStats:
-    """Measured acceptance of one sampling class: the level of the base, every tree's shape (a
-    ratio of averages, accepted over base + P on the same rows), and the chain's survival by
-    depth, read from its own rounds and, censored where the spine ends, from every tree's spine.
-    Priors worth PRIOR_ROWS rows keep one unlucky round from ruling drafting out."""
+    """Measured acceptance of one sampling class: the level of the base, each tree's shape (a ratio of
+    averages) and the chain's survival by depth. Priors worth PRIOR_ROWS rows keep one unlucky round
+    from ruling drafting out."""
 
     def __init__(self, arms: int, depth: int) -> None:
         self.level, self.level_rows = BASE / 2, 0.0
@@ -172,7 +155,7 @@ class Policy:
         self.grid = [b for b in GRID if b < max_budget] + [max_budget]
         self.chain_arm = len(self.grid)
         self.cap = np.minimum(np.append(self.grid, self.depth), self.depth)  # the most each arm can keep
-        self.windows = np.append(self.grid, self.depth) + 1.0  # each arm's verify window
+        self.windows = np.append(self.grid, [self.depth, 0]) + 1.0  # each arm's verify window, AR's last
         self.positions = np.minimum(self.windows, self.depth + 1)  # ... and the positions it spans
         self.max_round_tokens = max_round_tokens
         self.classes: dict[int, ClassStats] = {}
@@ -184,51 +167,36 @@ class Policy:
         self.factor = np.ones(len(self.grid) + 2)  # timed / modelled seconds per arm; the last is AR's
         self.rounds = 0
         self.hold: tuple[list[str], int] = ([], 0)  # AR steps decided ahead: for this batch, this many rounds
-        self._tables: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
+        self._tables: dict[int, tuple[int, np.ndarray]] = {}
         self._plans: dict[tuple[int, int], RoundPlan] = {}
 
-    # ---- what things cost --------------------------------------------------------------------
-
     def arm_plan(self, arm: int, rows: int) -> RoundPlan:
-        """The fixed plan of a drafting arm for every row of a batch (kept: plans are not changed
-        in place, and building one each round was a tenth of the plan's time)."""
-        plan = self._plans.get((arm, rows))
-        if plan is None:
-            if arm == self.chain_arm:
-                plan = replace(fixed_plan(rows, "dflash", self.depth + 1, 0), arm=arm)
-            else:
-                plan = replace(fixed_plan(rows, "ddtree", self.depth + 1, self.grid[arm]), arm=arm, measure=arm + 1)
-            self._plans[arm, rows] = plan
-        return plan
+        """A drafting arm's plan for every row of a batch, kept (building one each round was a tenth of
+        the plan's time)."""
+        if (arm, rows) not in self._plans:
+            chain = arm == self.chain_arm
+            plan = fixed_plan(rows, "dflash" if chain else "ddtree", self.depth + 1, 0 if chain else self.grid[arm])
+            self._plans[arm, rows] = replace(plan, arm=arm, measure=0 if chain else arm + 1)
+        return self._plans[arm, rows]
 
     def seconds(self, rows: int, keys: int = CONTEXT, sampled: int = 0) -> tuple[float, np.ndarray]:
-        """AR steps' seconds for a batch of `rows` (`sampled` of them not greedy) whose deepest row
-        has `keys` committed keys, and [arms, rows + 1]: a drafting arm's seconds with k rows
-        drafting (inf where the arm does not fit max_round_tokens)."""
-        key = self.cost.refined // 16
-        hit = self._tables.get(rows)
-        if hit is None or hit[0] != key:
-            c = self.cost
-            cap = self.max_round_tokens // rows - 1
-            table = np.full((self.chain_arm + 1, rows + 1), np.inf)
+        """AR steps' seconds for `rows` rows (`sampled` not greedy, the deepest `keys` keys deep), and
+        [arms, rows + 1]: each arm's with k rows drafting (inf where it exceeds max_round_tokens)."""
+        c, key = self.cost, self.cost.refined // 16
+        if self._tables.get(rows, (None,))[0] != key:  # rows x arms from the tables, AR's last (k = 0)
+            table = np.full((self.chain_arm + 2, rows + 1), np.inf)
+            table[-1, 0] = c.round_seconds(rows, 1, 0, 0, 0, 0)
             for arm in range(self.chain_arm + 1):
                 p = self.arm_plan(arm, rows)
-                if p.window - 1 > cap:
-                    continue
-                for k in range(1, rows + 1):
-                    table[arm, k] = c.round_seconds(rows, p.window, k, p.depth, k if p.tree_rows else 0, p.budget)
-            hit = (key, c.round_seconds(rows, 1, 0, 0, 0, 0), table)
-            self._tables[rows] = hit
-        # The tables are CONTEXT keys deep and greedy; the keys a row attends past that are priced
-        # per key, and sampled rows per node and position.
-        c = self.cost
-        verify, draft = c.deeper(rows, self.windows[:, None], np.arange(rows + 1), keys)
-        verify = verify + c.sampling(sampled, self.windows[:, None], self.positions[:, None])
-        table = np.maximum(hit[2] + (verify + draft) * c.scale, 0.5 * hit[2])
-        ar = max(hit[1] + (sum(c.deeper(rows, 1, 0, keys)) + c.sampling(sampled, 1, 1)) * c.scale, 0.5 * hit[1])
-        return ar * self.factor[-1], table * self.factor[:-1, None]
-
-    # ---- acceptance ----------------------------------------------------------------------------
+                if p.window <= self.max_round_tokens // rows:
+                    table[arm, 1:] = [c.round_seconds(rows, p.window, k, p.depth, k if p.tree_rows else 0, p.budget)
+                                      for k in range(1, rows + 1)]
+            self._tables[rows] = (key, table)
+        table = self._tables[rows][1]
+        verify, draft, noise = c.extra(rows, self.windows[:, None], np.arange(rows + 1), keys, sampled,
+                                       self.positions[:, None])
+        table = np.maximum(table + (verify + noise + draft) * c.scale, 0.5 * table) * self.factor[:, None]
+        return table[-1, 0], table[:-1]
 
     def _stats(self, cls: int) -> ClassStats:
         if cls not in self.classes:
@@ -236,10 +204,8 @@ class Policy:
         return self.classes[cls]
 
     def _class_of(self, s: int) -> int:
-        """Whose statistics a row reads and teaches: its sampling class's, kept apart (-1 - class)
-        for a request's opening, its first PROBE_TOKENS tokens, which follow the prompt and are
-        guessed unlike the text after them (on the held-out prompts the first rounds kept about
-        nothing at T = 0, as they do where drafting never pays). An opening only drafts the chain."""
+        """Whose statistics a row reads and teaches: its sampling class's, or apart (-1 - class) in its
+        opening, its first PROBE_TOKENS tokens, which are guessed unlike the text after them."""
         return -1 - self.cls[s] if self.tokens[s] < PROBE_TOKENS else self.cls[s]
 
     def _claim(self, req: Request) -> None:
@@ -252,28 +218,24 @@ class Policy:
             self.level[s], self.measured[s] = self._stats(self.cls[s]).level, 0.0
 
     def expected(self, classes: list[int], levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """[rows, arms]: the drafted tokens each row (its class, its level) is expected to keep,
-        and how many rows each estimate rests on (capped at KNOWN). A tree never measured is
-        expected to keep what the chain's first b nodes would, and no tree less than a smaller one."""
+        """[rows, arms]: the drafted tokens each row (its class and level) is expected to keep, and the rows
+        each estimate rests on (at most KNOWN). A tree never measured keeps what the chain's first b would."""
         uniq = sorted(set(classes))
         shapes, known = [], []
         for c in uniq:
             st = self._stats(c)
-            chain = st.shape[self.chain_arm]
-            trees = np.where(np.isnan(st.shape[: self.chain_arm]), chain * self.cap[:-1] / self.depth,
-                             st.shape[: self.chain_arm])
+            trees, chain = st.shape[:-1], st.shape[-1]
             if c < 0:  # an opening: the chain or AR steps, never explored
-                shapes.append(np.append(np.zeros_like(trees), chain))
-                known.append(np.full(len(trees) + 1, KNOWN))
+                shapes.append(np.append(np.zeros(self.chain_arm), chain))
+                known.append(np.full(self.chain_arm + 1, KNOWN))
                 continue
+            trees = np.where(np.isnan(trees), chain * self.cap[:-1] / self.depth, trees)
             shapes.append(np.append(np.maximum.accumulate(trees), chain))
             known.append(np.where(st.round - st.seen <= STALE, np.minimum(st.rows, KNOWN), 0))
             known[-1][-1] = max(known[-1][-1], 1)  # the chain rests on its prior from the start
-        idx = [uniq.index(c) for c in classes] if len(uniq) > 1 else [0] * len(classes)
+        idx = [uniq.index(c) for c in classes]
         out = np.array(shapes)[idx] * (np.asarray(levels)[:, None] + P)
         return np.minimum(out, self.cap), np.array(known)[idx]
-
-    # ---- the plan ---------------------------------------------------------------------------------
 
     def plan(self, reqs: list[Request]) -> RoundPlan:
         R = len(reqs)
@@ -296,8 +258,7 @@ class Policy:
         slots = [reqs[i].slot for i in rows]
         self.tokens[slots] = [len(reqs[i].output_ids) for i in rows]
         classes = [self._class_of(s) for s in slots]
-        # A request's own level is noisy after a few rounds: taken at face value, the rows that
-        # were lucky would be the ones chosen to draft. It is shrunk toward its class's.
+        # Own levels are shrunk toward the class's: at face value, the lucky rows would be chosen to draft.
         own = self.measured[slots] / (self.measured[slots] + OWN_ROUNDS)
         levels = own * self.level[slots] + (1 - own) * np.array([self._stats(c).level for c in classes])
         gains, known = self.expected(classes, levels)  # [k, arms]
@@ -312,36 +273,29 @@ class Policy:
         elif rate <= ar_rate:
             probe = self._probe(reqs, rows, classes, gains, table, R, ar_rate)
             if probe is None:
-                # Nothing is measured under AR steps: the plan holds until the batch changes,
-                # the credit covers an exploration or a probe falls due.
+                # AR steps measure nothing: held until the batch changes, or an exploration or probe is due.
                 due = [PROBE_TOKENS - 1 - len(reqs[i].output_ids) for i in rows if not self.measured[reqs[i].slot]]
                 self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])))
                 return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds, keys=keys, sampled=sampled)
             arm, explored = self.chain_arm, True
             rows = [rows[j] for j in probe]
             gains, k = gains[probe], len(probe)
-        order = np.argsort(-gains[:, arm], kind="stable")[:k]
-        drafting = sorted(rows[i] for i in order)
+        chosen = {rows[i]: float(gains[i, arm]) for i in np.argsort(-gains[:, arm], kind="stable")[:k]}
         plan = self.arm_plan(arm, R)
-        chosen = set(drafting)
-        mode = plan.modes[0]
-        predicted = dict(zip(rows, gains[:, arm]))
-        return replace(plan, modes=[mode if i in chosen else AR for i in range(R)], draft_rows=drafting,
-                       tree_rows=len(drafting) if plan.tree_rows else 0, seconds=float(table[arm, k]),
-                       predicted=[float(predicted[i]) if i in chosen else 0.0 for i in range(R)], explored=explored,
-                       keys=keys, sampled=sampled)
+        return replace(plan, modes=[plan.modes[0] if i in chosen else AR for i in range(R)], draft_rows=sorted(chosen),
+                       tree_rows=len(chosen) if plan.tree_rows else 0, seconds=float(table[arm, k]),
+                       predicted=[chosen.get(i, 0.0) for i in range(R)], explored=explored, keys=keys, sampled=sampled)
 
     def _probe(self, reqs: list[Request], rows: list[int], classes: list[int], gains: np.ndarray, table: np.ndarray,
                R: int, ar_rate: float) -> list[int] | None:
-        """Rows whose requests were never measured, past their first PROBE_TOKENS tokens: the
-        chain drafts for them once, paid from credit, since under AR steps nothing measures them
-        and a class's numbers say little of a new request."""
+        """Rows whose requests were never measured, past their openings: the chain drafts for them
+        once, paid from credit (under AR steps nothing measures them, and a class says little of them)."""
         fresh = [j for j, i in enumerate(rows)
                  if not self.measured[reqs[i].slot] and len(reqs[i].output_ids) >= PROBE_TOKENS]
         if not fresh or not np.isfinite(table[self.chain_arm, len(fresh)]):
             return None
-        loss = table[self.chain_arm, len(fresh)] - (R + gains[fresh, self.chain_arm].sum()) / ar_rate
-        return fresh if loss <= min(self._stats(classes[j]).credit for j in fresh) else None
+        short = self._short(self.chain_arm, gains[fresh], [classes[j] for j in fresh], table, R, ar_rate)
+        return fresh if short <= 0 else None
 
     @staticmethod
     def _best(gains: np.ndarray, table: np.ndarray, R: int) -> tuple[int, int, float]:
@@ -355,18 +309,18 @@ class Policy:
 
     def _explore(self, classes: set[int], gains: np.ndarray, known: np.ndarray, table: np.ndarray, R: int,
                  best_rate: float) -> tuple[int | None, float]:
-        """The largest thin tree (measured in fewer than KNOWN rows; it measures every smaller
-        one), else the chain if it is thin, played for every drafting row once the classes' credit
-        covers what it is predicted to lose against the best rate; and the credit still short."""
-        k = gains.shape[0]
-        thin = np.flatnonzero((known < KNOWN).any(0) & np.isfinite(table[:, k]))
+        """The largest thin tree (it measures every smaller one), else the chain if thin, once the credit
+        covers it (charged in observe, at what it really cost); and the credit still short."""
+        thin = np.flatnonzero((known < KNOWN).any(0) & np.isfinite(table[:, len(gains)]))
         if not len(thin):
             return None, np.inf
         arm = int(thin[-2] if thin[-1] == self.chain_arm and len(thin) > 1 else thin[-1])
-        short = table[arm, k] - (R + gains[:, arm].sum()) / best_rate - min(self._stats(c).credit for c in classes)
-        return (arm, 0.0) if short <= 0 else (None, short)  # charged in observe, at what it really cost
+        short = self._short(arm, gains, classes, table, R, best_rate)
+        return (arm, 0.0) if short <= 0 else (None, short)
 
-    # ---- learning ---------------------------------------------------------------------------------
+    def _short(self, arm: int, gains: np.ndarray, classes, table: np.ndarray, R: int, rate: float) -> float:
+        """The predicted loss of `arm` drafting the rows of `gains`, against `rate`, less their credit."""
+        return table[arm, len(gains)] - (R + gains[:, arm].sum()) / rate - min(self._stats(c).credit for c in classes)
 
     def observe(self, plan: RoundPlan, slots: list[int], accepted: list[int], measured: list | None,
                 seconds: float) -> None:
@@ -376,49 +330,38 @@ class Policy:
         ar_seconds = self.seconds(R, plan.keys, plan.sampled)[0]
         if self.cost.frozen:  # tensor parallel: every rank plans alike, so none uses its own clock
             seconds = plan.seconds or ar_seconds
+        arm = -1 if plan.arm is None else plan.arm  # timed / modelled seconds, per arm
+        modelled = plan.seconds / self.factor[arm]
+        if not self.cost.frozen and modelled > 0:
+            self.factor[arm] += FACTOR_RATE * (min(max(seconds / modelled, 0.5), 2.0) - self.factor[arm])
         if plan.arm is None:
             credit = PROBE * seconds
         else:
-            self._timed(plan.arm, plan.seconds / self.factor[plan.arm], seconds)
             saved = (R + sum(accepted)) * ar_seconds / R - seconds
-            # An exploration pays what it lost against AR steps, as it ran (a thin arm's cost is
-            # the least known part of its prediction).
+            # An exploration pays what it lost against AR steps as it ran (a thin arm's cost is least known).
             credit = PROBE * seconds + (min(0.0, saved) if plan.explored else EXPLORE * max(0.0, saved))
             for n, i in enumerate(plan.draft_rows):
                 s = slots[i]
-                st = self._stats(self._class_of(s))
-                base = min(measured[n][1] if plan.tree_rows else accepted[i], BASE)
-                if plan.tree_rows:  # every smaller tree exactly, and the chain along the spine
-                    counts, run, censored = measured[n]
-                    for arm, got in enumerate(counts):
-                        st.measured(arm, got, base)
-                    st.chain_run(run, censored and run < self.depth)
-                else:
-                    st.chain_run(accepted[i], False)
+                cls = self._class_of(s)
+                st = self._stats(cls)
+                counts, run, censored = measured[n] if plan.tree_rows else ([], accepted[i], False)
+                base = min(run, BASE)
+                for j, got in enumerate(counts):  # a tree round: every smaller tree exactly
+                    st.measured(j, got, base)
+                st.chain_run(run, censored and run < self.depth)  # the chain along the spine
                 st.leveled(base)
-                if self._class_of(s) >= 0:  # the opening says little of the request either
+                if cls >= 0:  # the opening says little of the request either
                     self.level[s] += max(REQUEST_RATE, 1.0 / (1.0 + self.measured[s])) * (base - self.level[s])
                     self.measured[s] += 1
         for c in {self.cls[s] for s in slots}:
             for st in (self._stats(c), self._stats(-1 - c)):
                 st.credit += credit
                 st.round += 1
-        if plan.arm is None and plan.seconds:
-            self._timed(-1, plan.seconds / self.factor[-1], seconds)
-
-    def _timed(self, arm: int, modelled: float, seconds: float) -> None:
-        if self.cost.frozen or modelled <= 0:
-            return
-        f = self.factor[arm]
-        self.factor[arm] = f + FACTOR_RATE * (min(max(seconds / modelled, 0.5), 2.0) - f)
-
-    # ---- seating ------------------------------------------------------------------------------------
 
     def admit(self, params: SamplingParams, rows: int) -> bool:
-        """May a request being seated ever draft? Not when its class has been measured and no
-        arm would pay in the batch it joins even at the best own level of the class's last RECENT
-        requests (its drafter then never sees it, and it costs what an `ar` request does), but
-        for one scout in SCOUT, whose rounds keep the class measured."""
+        """May a request being seated ever draft? Not once its class is measured and no arm would pay
+        in the batch it joins even at the best own level of its last RECENT requests (then it costs
+        what an `ar` request does), but for one scout in SCOUT, whose rounds keep the class measured."""
         cls = sampling_class(params)
         st = self._stats(cls)
         if st.level_rows + self._stats(-1 - cls).level_rows < SETTLE_ROWS:  # openings included

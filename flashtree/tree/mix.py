@@ -1,9 +1,6 @@
-"""One verify window from drafted rows and lone roots (plain AR steps).
-
-The speculation policy decides per request whether to draft, so a round's window holds drafted
-rows among rows that verify their root alone. These helpers build the lone roots with the padding
-every builder uses (token -1, parent 0, depth 1, score -inf) and put the drafted rows back at their
-batch rows, on the device and without a host read.
+"""One verify window from drafted rows and lone roots (plain AR steps): the policy decides per
+request whether to draft. Lone roots get the builders' padding (token -1, parent 0, depth 1, score
+-inf); drafted rows are put back at their batch rows on the device, without a host read.
 """
 import torch
 from torch import Tensor
@@ -27,18 +24,13 @@ def place_rows(base: TreeSpec, rows: Tensor, part: TreeSpec) -> TreeSpec:
     """base with its rows `rows` [k] (device indices) replaced by part's k rows (same node count);
     scores and ranks are kept where both have them."""
     def put(x: Tensor, y: Tensor) -> Tensor:
-        return x.contiguous().index_copy(0, rows, y.expand_as(y).contiguous())
+        return x.contiguous().index_copy(0, rows, y.contiguous())
 
     ranked = base.ranks is not None and part.ranks is not None
     scored = base.scores is not None and part.scores is not None
-    return TreeSpec(
-        tokens=put(base.tokens, part.tokens),
-        parents=put(base.parents, part.parents.expand_as(part.tokens)),
-        depths=put(base.depths, part.depths.expand_as(part.tokens)),
-        sizes=put(base.sizes, part.sizes),
-        is_chain=False,
-        max_depth=max(base.depth_bound, part.depth_bound),
-        scores=put(base.scores, part.scores) if scored else None,
-        ranks=put(base.ranks.expand_as(base.tokens), part.ranks) if ranked else None,
-        first=put(base.first.expand_as(base.tokens), part.first) if ranked else None,
-    )
+    return TreeSpec(put(base.tokens, part.tokens), put(base.parents, part.parents.expand_as(part.tokens)),
+                    put(base.depths, part.depths.expand_as(part.tokens)), put(base.sizes, part.sizes), is_chain=False,
+                    max_depth=max(base.depth_bound, part.depth_bound),
+                    scores=put(base.scores, part.scores) if scored else None,
+                    ranks=put(base.ranks.expand_as(base.tokens), part.ranks) if ranked else None,
+                    first=put(base.first.expand_as(base.tokens), part.first) if ranked else None)
