@@ -126,12 +126,12 @@ class CostModel:
     def round_seconds(self, rows: int, window: int, drafting: int, depth: int, tree_rows: int,
                       budget: int, keys: int = CONTEXT, sampled: int = 0) -> float:
         verify, draft, noise = self.extra(rows, window, drafting, keys, sampled, min(window, depth + 1))
-        t = float(self.verify(rows, window)) + float(self.overhead(rows, 1 if drafting else 0)) + noise
-        if drafting:
-            t += float(self.draft(drafting, depth))
-            if tree_rows:
-                t += float(self.tree(tree_rows, budget))
-        return max(t + verify + draft, 0.5 * t) * self.scale
+        t = float(self.verify(rows, window)) + float(self.overhead(rows, 1 if np.any(drafting) else 0)) + noise
+        if np.any(drafting):  # drafting and tree_rows may be arrays (one table row at once)
+            t = t + self.draft(drafting, depth)
+            if np.any(tree_rows):
+                t = t + self.tree(tree_rows, budget)
+        return np.maximum(t + verify + draft, 0.5 * t) * self.scale
 
     def extra(self, rows, window, drafting, keys: int = CONTEXT, sampled: int = 0, positions=1) -> tuple:
         """What the tables (greedy, CONTEXT keys deep) leave out: (verify, drafter pass) seconds of `keys`
