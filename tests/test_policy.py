@@ -829,7 +829,7 @@ def test_keys_past_the_tables_context_are_priced_per_row_node_and_drafting_row()
 
 def test_sampled_rows_pay_their_noise_per_node_and_position(pair):
     """The tables time a greedy verify; a sampled row adds the seeded noise over the vocabulary at
-    each node and position (on the CPU 20x the argmax). Startup measures it, plans price it, a round
+    each node and position (on the CPU several times the argmax). Startup measures it, plans price it, a round
     that took its sampled prediction leaves the tables alone, and where the noise costs more than
     the chain saves, a sampled batch takes AR steps while a greedy one drafts."""
     target, drafter = pair
