@@ -59,7 +59,8 @@ class RoundPlan:
     seconds: float = 0.0
     arm: int | None = None  # auto: the grid index of the tree, or CHAIN_ARM; None for AR steps
     measure: int = 0  # tree sizes (grid columns) whose accepted tokens the round reads back
-    explored: bool = False  # auto: played to measure, paid from the exploration credit
+    explored: bool = False  # auto: played to measure, paid from the exploration credit ...
+    baseline: float = 0.0  # ... for what it lost against this rate (tokens a second) of the plan it displaced
     keys: int = CONTEXT  # committed keys behind the batch's deepest row, which every row's attention spans
     sampled: int = 0  # rows drawn by seeded noise rather than argmax (each pays it at every node)
 
@@ -280,6 +281,7 @@ class Policy:
         arm, k, rate = self._best(np.where(known > 0, gains, 0.0), table, R)
         explore, short = self._explore(set(classes), gains, known, table, R, max(rate, ar_rate))
         explored = explore is not None
+        baseline = max(rate, ar_rate)
         if explored:
             arm, k = explore, len(rows)
         elif rate <= ar_rate:
@@ -289,14 +291,15 @@ class Policy:
                 due = [PROBE_TOKENS - 1 - len(reqs[i].output_ids) for i in rows if not self.measured[reqs[i].slot]]
                 self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])))
                 return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds, keys=keys, sampled=sampled)
-            arm, explored = self.chain_arm, True
+            arm, explored, baseline = self.chain_arm, True, ar_rate
             rows = [rows[j] for j in probe]
             gains, k = gains[probe], len(probe)
         chosen = {rows[i]: float(gains[i, arm]) for i in np.argsort(-gains[:, arm], kind="stable")[:k]}
         plan = self.arm_plan(arm, R)
         return replace(plan, modes=[plan.modes[0] if i in chosen else AR for i in range(R)], draft_rows=sorted(chosen),
                        tree_rows=len(chosen) if plan.tree_rows else 0, seconds=float(table[arm, k]),
-                       predicted=[chosen.get(i, 0.0) for i in range(R)], explored=explored, keys=keys, sampled=sampled)
+                       predicted=[chosen.get(i, 0.0) for i in range(R)], explored=explored, keys=keys, sampled=sampled,
+                       baseline=baseline)
 
     def _probe(self, reqs: list[Request], rows: list[int], classes: list[int], gains: np.ndarray, table: np.ndarray,
                R: int, ar_rate: float) -> list[int] | None:
@@ -349,9 +352,11 @@ class Policy:
         if plan.arm is None:
             credit = PROBE * seconds
         else:
-            saved = (R + sum(accepted)) * ar_seconds / R - seconds
-            # An exploration pays what it lost against AR steps as it ran (a thin arm's cost is least known).
-            credit = PROBE * seconds + (min(0.0, saved) if plan.explored else EXPLORE * max(0.0, saved))
+            tokens = R + sum(accepted)
+            # An exploration pays what it lost, as it ran (a thin arm's cost is least known), against the
+            # plan it displaced: the best arm's rate, not AR's, where drafting pays.
+            credit = PROBE * seconds + (min(0.0, tokens / plan.baseline - seconds) if plan.explored
+                                        else EXPLORE * max(0.0, tokens * ar_seconds / R - seconds))
             for n, i in enumerate(plan.draft_rows):
                 s = slots[i]
                 cls = self._class_of(s)
