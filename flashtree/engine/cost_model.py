@@ -123,8 +123,9 @@ class CostModel:
         self.refined = 0  # rounds folded in
         self.frozen = False  # no online refinement (tensor parallelism: every rank must plan alike)
 
-    def round_seconds(self, rows: int, window: int, drafting: int, depth: int, tree_rows: int,
-                      budget: int, keys: int = CONTEXT, sampled: int = 0) -> float:
+    def round_seconds(self, rows: int, window: int, drafting: int | np.ndarray, depth: int,
+                      tree_rows: int | np.ndarray, budget: int, keys: int = CONTEXT, sampled: int = 0):
+        """A plan's seconds (an array over drafting rows where `drafting` is one)."""
         verify, draft, noise = self.extra(rows, window, drafting, keys, sampled, min(window, depth + 1))
         t = float(self.verify(rows, window)) + float(self.overhead(rows, 1 if np.any(drafting) else 0)) + noise
         if np.any(drafting):  # drafting and tree_rows may be arrays (one table row at once)
