@@ -28,9 +28,10 @@ def place_rows(base: TreeSpec, rows: Tensor, part: TreeSpec) -> TreeSpec:
 
     ranked = base.ranks is not None and part.ranks is not None
     scored = base.scores is not None and part.scores is not None
-    return TreeSpec(put(base.tokens, part.tokens), put(base.parents, part.parents.expand_as(part.tokens)),
-                    put(base.depths, part.depths.expand_as(part.tokens)), put(base.sizes, part.sizes), is_chain=False,
-                    max_depth=max(base.depth_bound, part.depth_bound),
+    return TreeSpec(tokens=put(base.tokens, part.tokens), sizes=put(base.sizes, part.sizes),
+                    parents=put(base.parents, part.parents.expand_as(part.tokens)),
+                    depths=put(base.depths, part.depths.expand_as(part.tokens)),
+                    is_chain=False, max_depth=max(base.depth_bound, part.depth_bound),
                     scores=put(base.scores, part.scores) if scored else None,
                     ranks=put(base.ranks.expand_as(base.tokens), part.ranks) if ranked else None,
                     first=put(base.first.expand_as(base.tokens), part.first) if ranked else None)
