@@ -94,13 +94,18 @@ def gumbel_noise(pkeys: Tensor, tokens: Tensor, dtype: torch.dtype) -> Tensor:
     below the top in scaled logit (relative probability < 7e-12) can never win, a total
     variation of at most 7e-12 * V (1e-6 at V = 151,936).
     """
-    thash = _first_step(mix32(tokens ^ 0x68E31DA4))
+    thash = _token_half(tokens)
     shape = torch.broadcast_shapes(pkeys.shape, thash.shape)
     P, K = shape[:-1].numel(), shape[-1]
     out = torch.empty(shape, dtype=dtype, device=pkeys.device)
     th = thash.view(1, K) if thash.numel() == K else thash.expand(shape).reshape(P, K)
     _gumbel(_first_step(pkeys.expand(*shape[:-1], 1).reshape(P, 1)), th, out.view(P, K), add=False)
     return out
+
+
+def _token_half(tokens: Tensor) -> Tensor:
+    """The token ids' half of the noise hash, mix32(token ^ 0x68E31DA4), after mix32's first step."""
+    return _first_step(mix32(tokens ^ 0x68E31DA4))
 
 
 def vocab_noise(pkeys: Tensor, V: int, dtype: torch.dtype) -> Tensor:
@@ -114,13 +119,12 @@ NOISE_BLOCK = 1 << 16  # CPU: entries hashed per step, so the int64 passes stay 
 
 
 def token_hashes(V: int, device: torch.device) -> Tensor:
-    """The token half of the noise hash for the token ids < V, mix32(token ^ 0x68E31DA4) after
-    mix32's first step: it does not depend on the position, so it is computed once per
-    (V, device). Not stored while a CUDA graph is being captured, which records the fill
+    """_token_half of the token ids < V: it does not depend on the position, so it is computed
+    once per (V, device). Not stored while a CUDA graph is being captured, which records the fill
     without running it."""
     hashes = _TOKEN_HASHES.get((V, device))
     if hashes is None:
-        hashes = _first_step(mix32(torch.arange(V, device=device) ^ 0x68E31DA4))
+        hashes = _token_half(torch.arange(V, device=device))
         if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             _TOKEN_HASHES[(V, device)] = hashes
     return hashes
