@@ -255,17 +255,20 @@ class Policy:
         ids = [r.request_id for r in reqs]
         keys = max(len(r.prompt_ids) + len(r.output_ids) for r in reqs)
         sampled = sum(not r.params.greedy for r in reqs)
+
+        def steps(seconds: float | None = None) -> RoundPlan:  # AR steps for every row
+            seconds = self.ar_seconds(R, keys, sampled) if seconds is None else seconds
+            return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=seconds, keys=keys, sampled=sampled)
+
         if self.hold[1] > 0 and self.hold[0] == ids:
             # Held rounds are timed too: every drafting arm is judged against AR's factor.
             self.hold = (ids, self.hold[1] - 1)
-            return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=self.ar_seconds(R, keys, sampled), keys=keys,
-                             sampled=sampled)
+            return steps()
         for r in reqs:
             self._claim(r)
         rows = [i for i, r in enumerate(reqs) if r.speculative]
         if not rows:
-            return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=self.ar_seconds(R, keys, sampled), keys=keys,
-                             sampled=sampled)
+            return steps()
         ar_seconds, table = self.seconds(R, keys, sampled)
         ar_rate = R / ar_seconds
         slots = [reqs[i].slot for i in rows]
@@ -279,9 +282,9 @@ class Policy:
         gains = np.minimum(gains, np.maximum(np.array(room, dtype=float), 0.0)[:, None])
         # A tree is played for its rate only once measured; before that, only to explore it.
         arm, k, rate = self._best(np.where(known > 0, gains, 0.0), table, R)
-        explore, short = self._explore(set(classes), gains, known, table, R, max(rate, ar_rate))
-        explored = explore is not None
         baseline = max(rate, ar_rate)
+        explore, short = self._explore(set(classes), gains, known, table, R, baseline)
+        explored = explore is not None
         if explored:
             arm, k = explore, len(rows)
         elif rate <= ar_rate:
@@ -290,7 +293,7 @@ class Policy:
                 # AR steps measure nothing: held until the batch changes, or an exploration or probe is due.
                 due = [PROBE_TOKENS - 1 - len(reqs[i].output_ids) for i in rows if not self.measured[reqs[i].slot]]
                 self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])))
-                return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=ar_seconds, keys=keys, sampled=sampled)
+                return steps(ar_seconds)
             arm, explored, baseline = self.chain_arm, True, ar_rate
             rows = [rows[j] for j in probe]
             gains, k = gains[probe], len(probe)
