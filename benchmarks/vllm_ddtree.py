@@ -13,6 +13,15 @@ Run it with the python of a venv holding vLLM and flashtree (README: "DDTree ins
     OMP_NUM_THREADS=1 /work/vllm-venv/bin/python benchmarks/vllm_ddtree.py --concurrency 8 \\
         --configs ar dflash ddtree:16
 
+With --interleaved every configuration is built in one process and they take turns: each turn
+gives every engine the same next prompt (or group of --concurrency prompts), in a new random order,
+and an engine's rate is its tokens over the process CPU time of its own turns. The box's drift then
+falls on all configurations alike; separate processes met different minutes of the machine, and
+their passes differed by up to a third.
+
+    OMP_NUM_THREADS=1 taskset -c 1 /work/vllm-venv/bin/python benchmarks/vllm_ddtree.py --interleaved \\
+        --configs dflash ddtree:8 ddtree:16 ddtree:32 --passes 2
+
 tau is tokens per target forward: the accepted drafts plus the bonus, over the verify steps.
 """
 
@@ -45,7 +54,8 @@ def parse_config(text: str) -> dict:
 # ---- the worker (its own process) ----------------------------------------------------------------
 
 
-def run(job: dict) -> dict:
+def build(job: dict):
+    """The vLLM engine of one configuration, and its greedy sampling parameters."""
     from vllm import LLM, SamplingParams
 
     kwargs = {}
@@ -55,27 +65,73 @@ def run(job: dict) -> dict:
         kwargs["per_request_spec_decode_metrics"] = "summary"
     if job["method"] == "ddtree":
         kwargs["additional_config"] = {"ddtree": {"budget": job["budget"]}}
-    t0 = time.perf_counter()
     llm = LLM(model=job["target"], dtype="float32", max_model_len=job["max_model_len"], seed=0,
               max_num_seqs=job["concurrency"], enforce_eager=job["eager"], **kwargs)
-    load = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    return llm, SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+
+
+def groups(job: dict) -> list[list[dict]]:
+    """The prompts as the engine meets them: one at a time, or all at once under concurrency."""
     prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
-    llm.generate(prompts[:job["concurrency"]], params, use_tqdm=False)  # warm-up
-    t0, c0 = time.perf_counter(), time.process_time()
-    if job["concurrency"] == 1:
-        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
-    else:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return [[p] for p in prompts] if job["concurrency"] == 1 else [prompts]
+
+
+def tau(outs: list) -> float | None:
     steps = accepted = 0
     for o in outs:
         m = o.outputs[0].spec_decode_metrics
         if m is not None:
             steps += sum(m.histogram)
             accepted += sum(j * n for j, n in enumerate(m.histogram))
+    return (steps + accepted) / steps if steps else None
+
+
+def run(job: dict) -> dict:
+    t0 = time.perf_counter()
+    llm, params = build(job)
+    load = time.perf_counter() - t0
+    llm.generate(groups(job)[0][:job["concurrency"]], params, use_tqdm=False)  # warm-up
+    t0, c0 = time.perf_counter(), time.process_time()
+    outs = [o for group in groups(job) for o in llm.generate(group, params, use_tqdm=False)]
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"wall": wall, "cpu": cpu, "load": load, "outputs": [list(o.outputs[0].token_ids) for o in outs],
-            "tau": (steps + accepted) / steps if steps else None}
+            "tau": tau(outs)}
+
+
+def run_interleaved(configs: list[dict], common: dict, passes: int) -> dict[str, dict]:
+    """Every configuration's engine in this process, taking turns prompt by prompt (see the module
+    docstring); per configuration its CPU and wall seconds over all passes, outputs of the last."""
+    import random
+
+    os.environ.update(engine_env(common["core"]))  # before vLLM is imported
+    engines = {}
+    for cfg in configs:
+        t0 = time.perf_counter()
+        engines[cfg["label"]] = build({**common, **cfg})
+        engines[cfg["label"]][0].generate(groups(common)[0][:common["concurrency"]], engines[cfg["label"]][1],
+                                          use_tqdm=False)  # warm-up
+        print(f"built {cfg['label']} in {time.perf_counter() - t0:.0f} s", flush=True)
+    rng = random.Random(0)
+    totals = {label: {"wall": 0.0, "cpu": 0.0, "tokens": 0} for label in engines}
+    outputs: dict[str, list] = {label: [] for label in engines}
+    for p in range(passes):
+        for label in engines:
+            outputs[label] = []
+        for group in groups(common):
+            order = list(engines)
+            rng.shuffle(order)
+            for label in order:
+                llm, params = engines[label]
+                t0, c0 = time.perf_counter(), time.process_time()
+                outs = llm.generate(group, params, use_tqdm=False)
+                totals[label]["wall"] += time.perf_counter() - t0
+                totals[label]["cpu"] += time.process_time() - c0
+                totals[label]["tokens"] += sum(len(o.outputs[0].token_ids) for o in outs)
+                outputs[label] += outs
+        print(f"pass {p + 1} done", flush=True)
+    return {label: {"tok_s": t["tokens"] / t["wall"], "cpu_tok_s": t["tokens"] / t["cpu"], "load": 0.0,
+                    "outputs": [list(o.outputs[0].token_ids) for o in outputs[label]], "tau": tau(outputs[label])}
+            for label, t in totals.items()}
 
 
 def worker(job_file: str, out_file: str) -> None:
@@ -95,11 +151,15 @@ def tokenize_prompts(target: Path, suites: list[str], per_suite: int) -> list[li
             for name in suites for p in load_suite(name, per_suite)]
 
 
+def engine_env(core: int) -> dict[str, str]:
+    """One thread on `core`, the engine in the calling process, a small KV cache."""
+    return {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+
+
 def run_one(cfg: dict, common: dict) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(common["core"]),
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    return run_job(sys.executable, __file__, {**common, **cfg}, env, cfg["label"])
+    return run_job(sys.executable, __file__, {**common, **cfg}, {**os.environ, **engine_env(common["core"])},
+                   cfg["label"])
 
 
 def main() -> None:
@@ -118,6 +178,8 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--core", type=int, default=0, help="the core vLLM binds its thread to")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's torch.compile)")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="every configuration in this process, taking turns prompt by prompt (pin it with taskset)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     if args.worker:
@@ -130,8 +192,8 @@ def main() -> None:
               "prompts": tokenize_prompts(Path(args.target), args.suites, args.per_suite),
               "max_model_len": args.max_model_len, "concurrency": args.concurrency, "eager": args.eager,
               "core": args.core}
-    best: dict[str, dict] = {}
-    for p in range(args.passes):
+    best: dict[str, dict] = run_interleaved(configs, common, args.passes) if args.interleaved else {}
+    for p in range(0 if args.interleaved else args.passes):
         for cfg in configs:
             res = run_one(cfg, common)
             tokens = sum(len(o) for o in res["outputs"])
@@ -147,8 +209,9 @@ def main() -> None:
     reference = best.get("ar") or next(iter(best.values()))
     chain = best.get("dflash", {}).get("tok_s")
     chain_cpu = best.get("dflash", {}).get("cpu_tok_s")
+    passes = f"{args.passes} passes interleaved in one process" if args.interleaved else f"best of {args.passes} passes"
     print(f"\n{len(common['prompts'])} prompts x {args.max_tokens} tokens, concurrency {args.concurrency}, greedy, "
-          f"one core, best of {args.passes} passes, {'eager' if args.eager else 'compiled'}\n")
+          f"one core, {passes}, {'eager' if args.eager else 'compiled'}\n")
     print("| method | tok/s | tok/cpu-s | tau | x dflash (wall) | x dflash (cpu) | outputs == ar |")
     print("|---|---|---|---|---|---|---|")
     rows = []

@@ -78,6 +78,25 @@ def test_run_without_ddtree_is_vllms():
     assert plain.scheduler_config.scheduler_cls is None
 
 
+def test_a_chain_engine_keeps_working_beside_a_ddtree_engine_in_one_process():
+    """Patches land on vLLM's classes when a DDTree engine starts; an engine built before them in the same
+    process (the engine core in-process) still runs as vLLM's chain, with AR's greedy tokens."""
+    result = run_python(
+        "import os; os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'\n"
+        "from vllm import LLM, SamplingParams\n"
+        f"kw = dict(model={TARGET!r}, dtype='float32', max_model_len=512, seed=0, enforce_eager=True)\n"
+        "p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)\n"
+        "ids = [{'prompt_token_ids': [5, 17, 300, 42, 9]}]\n"
+        "ar = LLM(**kw).generate(ids, p, use_tqdm=False)[0].outputs[0].token_ids\n"
+        f"chain = LLM(speculative_config={SPEC!r}, **kw)\n"
+        f"tree = LLM(speculative_config={SPEC!r}, additional_config={{'ddtree': {{'budget': 8}}}}, **kw)\n"
+        "for llm in (chain, tree, chain):\n"
+        "    assert llm.generate(ids, p, use_tqdm=False)[0].outputs[0].token_ids == ar\n"
+        "print('ok')\n")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("ok")
+
+
 def test_ddtree_run_gets_flashtrees_worker_and_scheduler():
     chosen = config(speculative_config=dict(SPEC), additional_config={"ddtree": {"budget": 24}})
     assert chosen.parallel_config.worker_cls == settings.DDTREE_WORKER

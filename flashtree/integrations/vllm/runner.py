@@ -82,6 +82,9 @@ class DDTreeRunner:
 
 
 class CPUModelRunnerPatch(VllmPatch, target=CPUModelRunner):
+    # Runners built before the patch was applied (another engine in the same process) are vLLM's.
+    _flashtree_ddtree: DDTreeRunner | None = None
+
     def __init__(self, vllm_config, device) -> None:
         CPUModelRunnerPatch.original(self, "__init__")(vllm_config, device)
         chosen = settings.settings_of(vllm_config)
