@@ -14,6 +14,7 @@ import torch
 
 import flashtree.tree.build as build
 from flashtree.tree import TreeSpec, build_tree
+from flashtree.tree import host
 from flashtree.tree.host import token_topk
 
 
@@ -110,3 +111,32 @@ def test_cpu_builds_take_the_numpy_path_unless_prune_is_off(monkeypatch):
         calls.clear()
         build_tree(torch.tensor([1, 2]), logits, 6, prune=prune)
         assert len(calls) == used, prune
+
+
+def test_one_row_best_first_build_equals_tensor_build():
+    """A single row with an int budget (the vLLM plugin's and a batch-1 engine's case) is built best first
+    from a heap (host.best_first_one); over tie-prone logits it gives the tensor build's TreeSpec bit for
+    bit, -0.0 and +0.0 scores of certain tokens included, and it is the path taken in most trials
+    (the rest have fewer finite nodes than the budget and take the level build)."""
+    g = torch.Generator().manual_seed(7)
+    taken = 0
+    real = host.best_first_one
+    def counting(*args):
+        nonlocal taken
+        spec = real(*args)
+        taken += spec is not None
+        return spec
+    host.best_first_one = counting
+    try:
+        for trial in range(800):
+            D = int(torch.randint(1, 9, (), generator=g))
+            V = int(torch.randint(1, 40, (), generator=g)) if trial % 3 else int(torch.randint(40, 3000, (), generator=g))
+            b = int(torch.randint(1, 70, (), generator=g))
+            logits = tie_prone_logits(g, trial, 1, D, V)
+            roots = torch.randint(0, 9, (1,), generator=g)
+            got = build_tree(roots, logits, b)
+            want = build.build_tree_tensor(roots, logits, b, b, prune=True)
+            assert identical(got, want) is None, (trial, identical(got, want))
+    finally:
+        host.best_first_one = real
+    assert taken >= 400

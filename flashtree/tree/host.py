@@ -10,6 +10,7 @@ one step numpy could round differently.
 from __future__ import annotations
 
 import functools
+import heapq
 
 import numpy as np
 import torch
@@ -138,6 +139,10 @@ def build_tree_host(root_tokens: Tensor, draft_logits: Tensor, budget: int | Ten
     tok_lp, tok_id = token_topk(lp.reshape(R * D, V), K)
     tok_lp, tok_id = tok_lp.reshape(R, D, K), tok_id.reshape(R, D, K)
     D = levels_needed(tok_lp, width)
+    if R == 1 and not isinstance(budget, Tensor) and budget >= width:
+        spec = best_first_one(int(root_tokens.reshape(-1)[0]), tok_lp[0, :D], tok_id[0], width)
+        if spec is not None:
+            return spec
     scores, picked = build_levels(tok_lp[:, :D], width)
     pair_p, pair_t = pair_list(width, K)
     sibling = pair_t[picked]  # [R, D, width]
@@ -145,6 +150,47 @@ def build_tree_host(root_tokens: Tensor, draft_logits: Tensor, budget: int | Ten
     top = _best_first(scores, width)
     return assemble_host(root_tokens, scores, pair_p[picked].reshape(R, -1), token.reshape(R, -1),
                          _at(scores, top), top, budget, width, sibling.reshape(R, -1))
+
+
+def best_first_one(root: int, tok_lp: np.ndarray, tok_id: np.ndarray, width: int) -> TreeSpec | None:
+    """One row's tree of exactly `width` nodes, popped best first from a heap; None when fewer than
+    `width` nodes have a finite score (build_levels then pads the row).
+
+    A row of a few dozen nodes pops them in ~100 us of Python where the level build costs a numpy
+    pass per level. It is the level build's tree bit for bit: the heap's order (cost, depth, parent's
+    level rank, token rank) is the union order the level build takes its top-`width` in, a parent
+    always pops before its children, so the nodes popped at one depth are the first of that level,
+    in level order; scores are the same float32 sums (tok_lp [D, K] sorted per depth, tok_id [D, K]).
+    """
+    D, K = tok_lp.shape
+    cost = (-tok_lp).tolist()  # float32 values, held exactly by Python floats
+    f32 = np.float32
+    heap = [(cost[0][0], 1, 0, 0, -0.0)]  # (cost, depth, parent's level rank, token rank, parent's cost); the root's is -0.0 as in build_levels
+    popped = [0] * (D + 1)  # nodes popped per depth: the next one's level rank
+    nodes = []  # in pop order: (depth, level rank, parent's level rank, token rank, cost)
+    while heap and len(nodes) < width:
+        c, d, p, t, pc = heapq.heappop(heap)
+        if c == float("inf"):
+            return None
+        nodes.append((d, popped[d], p, t, c))
+        if d < D:
+            heapq.heappush(heap, (float(f32(c) + f32(cost[d][0])), d + 1, popped[d], 0, c))
+        popped[d] += 1
+        if t + 1 < K:
+            heapq.heappush(heap, (float(f32(pc) + f32(cost[d - 1][t + 1])), d, p, t + 1, pc))
+    if len(nodes) < width:
+        return None
+    slot = {}  # (depth, level rank) -> output slot
+    out = np.zeros((6, 1 + width), np.float64)  # tokens, parents, depths, scores, ranks, first
+    out[:, 0] = (root, -1, 0, 0.0, 0, 1)
+    for s, i in enumerate(sorted(range(width), key=lambda i: nodes[i][:2]), 1):
+        d, r, p, t, c = nodes[i]
+        slot[d, r] = s
+        out[:, s] = (tok_id[d - 1, t], slot[d - 1, p] if d > 1 else 0, d, -c, i + 1, t == 0)
+    ints = torch.from_numpy(out[[0, 1, 2, 4]].astype(np.int64)[:, None])
+    return TreeSpec(tokens=ints[0], parents=ints[1], depths=ints[2], sizes=torch.tensor([1 + width]),
+                    max_depth=min(D, width), scores=torch.from_numpy(out[3:4].astype(np.float32)),
+                    ranks=ints[3], first=torch.from_numpy(out[5:6] > 0))
 
 
 def assemble_host(root_tokens: Tensor, scores: np.ndarray, parent_rank: np.ndarray, token: np.ndarray,
