@@ -5,8 +5,9 @@ nothing from the server side (no fastapi/uvicorn). Every captured shape is captu
 start-up (compile=True) and each engine runs one warm-up request before it is timed; stage timing
 stays off, so no round waits for the device except at its one read. It checks and times:
 
-1. greedy ar == dflash == ddtree (B = 16, 64) == auto on CUDA, eager and captured (CUDA graphs),
-   on the embedded demo pair (float32) and on a tiny random hybrid (Gated DeltaNet) target;
+1. greedy ar == dflash == ddtree (B = 16, 64) == auto == mtp (k = 3) on CUDA, eager and captured
+   (CUDA graphs), on the embedded demo pair (float32, its trained MTP head) and on a tiny random
+   hybrid (Gated DeltaNet) target (a random MTP head);
 2. on Qwen3-8B-shaped random bf16 weights (written to disk here, which also times a TP=1 load):
    the AR step at batch 1 and 8 against the bandwidth floor (weight bytes / a measured
    device-to-device copy bandwidth), and a ddtree round at B = 16, 64, 256 x batch 1, 8 as a
@@ -113,6 +114,10 @@ def identical_checks(deadline: Deadline, report: dict, workdir: Path) -> None:
                           head_dim=16, rms_norm_eps=1e-6, block_size=8, target_layer_ids=[1, 2],
                           num_target_layers=4, mask_token_id=510, vocab_size=512, layer_types=["full_attention"])
         save_drafter(DFlashDrafter(args), workdir / "hybrid-drafter")
+        from flashtree.models.loader import read_config, text_config
+        from flashtree.models.mtp import build_head, save_head
+
+        save_head(build_head(text_config(read_config(hybrid))), hybrid / "mtp-head", hybrid)
         pairs["hybrid"] = (str(hybrid), str(workdir / "hybrid-drafter"), 500)
     except Exception as e:  # an old transformers without Qwen3.5: record it, check the demo pair
         report["hybrid_setup_error"] = f"{type(e).__name__}: {e}"
@@ -123,18 +128,21 @@ def identical_checks(deadline: Deadline, report: dict, workdir: Path) -> None:
         common = dict(target=target, dtype="float32", max_batch=4, max_model_len=512)
         base = engine_for(None, method="ar", drafter=drafter, **common)
         ref_ids = [r.output_ids for r in run_engine(base, prompts, params)[0]]
+        head = None if name == "demo" else str(Path(target) / "mtp-head")  # None: the demo's own
         for method, budget, captured in [("ar", 1, True), ("dflash", 16, False), ("dflash", 16, True),
                                          ("ddtree", 16, False), ("ddtree", 16, True), ("ddtree", 64, False),
-                                         ("ddtree", 64, True), ("ddtree", "auto", False)]:
-            label = f"{name}: {method}{'' if method in ('ar', 'dflash') else f' B={budget}'}" \
-                    f"{' captured' if captured else ''}"
+                                         ("ddtree", 64, True), ("ddtree", "auto", False), ("mtp", 3, False),
+                                         ("mtp", 3, True)]:
+            shown = {"ar": "", "dflash": "", "mtp": f" k={budget}"}.get(method, f" B={budget}")
+            label = f"{name}: {method}{shown}{' captured' if captured else ''}"
+            extra = dict(drafter=None, mtp_head=head, num_speculative_tokens=budget) if method == "mtp" \
+                else dict(budget=budget, drafter=drafter)
             if deadline.left < 300:
                 rows.append({"config": label, "skipped": "time"})
                 continue
             try:
                 t0 = time.perf_counter()
-                eng = engine_for(base, method=method, budget=budget, drafter=drafter, compile=captured,
-                                 **{k: v for k, v in common.items() if k != "target"}, target=target)
+                eng = engine_for(base, method=method, compile=captured, **extra, **common)
                 run_engine(eng, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))  # a first request
                 warm = time.perf_counter() - t0
                 out, wall = run_engine(eng, prompts, params)

@@ -45,7 +45,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks the target is split over (flashtree starts the N - 1 workers)
     use_selector: bool | None = None  # DFlash2 drafters: None = use the selector; False = marginal trees (build_tree)
     # Capture a fixed method's rounds at start-up, one per (batch bucket, key bucket), and replay them
-    # (CUDA graphs on cuda; the same static buffers, eagerly, on cpu); budget="auto" and mtp run eagerly.
+    # (CUDA graphs on cuda; the same static buffers, eagerly, on cpu); budget="auto" runs eagerly.
     compile: bool = False
     static_shapes: bool | None = None  # pad every forward to a shape bucket; always on with compile
     # method="mtp": the MTP head's recursive drafts per round (3, as vLLM and SGLang serve Qwen3.6) ...

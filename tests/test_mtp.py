@@ -293,6 +293,31 @@ def test_static_shapes_pad_mtp_rounds():
     assert [o.token_ids for o in outs] == ar
 
 
+def check_captured(common: dict, prompts: list, k: int = 3) -> None:
+    """compile=True captures mtp's rounds (one per batch and key bucket) and replays them through
+    static buffers: greedy and seeded sampling still give `ar`'s tokens, and every round accepts
+    what the uncaptured engine's accepts (the same drafts: the head's pending entries kept in the
+    replayed commit), in float64, where padding cannot flip a draft."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24, ignore_eos=True, seed=3)
+    ar = LLM(method="ar", **common)
+    eager = LLM(method="mtp", num_speculative_tokens=k, **common)
+    llm = LLM(method="mtp", num_speculative_tokens=k, compile=True, **common)
+    assert llm.engine.runner.graphs is not None and eager.engine.runner.graphs is None
+    for params in (greedy, sampled):
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ar.generate(prompts, params)]
+        assert [o.stats.accept_lengths for o in outs] == [o.stats.accept_lengths for o in eager.generate(prompts, params)]
+        assert max(max(o.stats.accept_lengths) for o in outs) > 1
+
+
+def test_captured_mtp_rounds_equal_ar():
+    """The demo head's rounds, captured and replayed, four prompts through three slots (batches
+    padded to buckets of 1, 2 and 4 rows): `ar`'s tokens."""
+    common = dict(dtype="float64", device="cpu", max_batch=3, max_model_len=192, prefix_cache=False)
+    check_captured(common, ["def fibonacci(n):", "The history of the", "import os\nimport sys\n", "class Stack:"])
+
+
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     """A tiny Qwen3.5 target whose checkpoint ships an MTP head trained on its own greedy text
@@ -323,6 +348,14 @@ def test_hybrid_target_mtp_is_lossless(hybrid):
     prompts = [torch.randint(0, 62, (n,), generator=gen).tolist() for n in (3, 17, 40, 8)]
     common = dict(target=hybrid, dtype="float32", device="cpu", max_batch=3, max_model_len=128)
     assert check_lossless(common, prompts) > 2
+
+
+def test_hybrid_target_captured_mtp_is_lossless(hybrid):
+    """Captured mtp rounds on a hybrid target: the recurrent state's commit and the head's pending
+    entries go through the replayed pieces, and the tokens are still `ar`'s."""
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 62, (n,), generator=gen).tolist() for n in (3, 17, 40, 8)]
+    check_captured(dict(target=hybrid, dtype="float64", device="cpu", max_batch=3, max_model_len=128), prompts)
 
 
 def test_head_cache_equals_a_fresh_one_after_rounds(hybrid):

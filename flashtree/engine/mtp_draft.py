@@ -82,36 +82,57 @@ class MTPDraft:
         self.waiting[slot] = n
         self.pending[slot] = max(n, 1)
 
-    def draft(self, batch: SlotBatch, roots: Tensor) -> TreeSpec:
-        """The chain [root, d_1..d_k] per row (batch.starts: the target's committed lengths)."""
-        committed = [self.cache.lengths[s] for s in batch.slot_list]
-        width = max(self.waiting[s] for s in batch.slot_list)
+    def draft(self, batch: SlotBatch, roots: Tensor, key_len: int | None = None) -> TreeSpec:
+        """The chain [root, d_1..d_k] per row (batch.starts: the target's committed lengths).
+
+        key_len: a captured round's key bucket. Such a round knows no host lengths, so its first
+        step spans k + 1 entries, the most a row can have pending: a row's entries past its own
+        are written past its committed length and overwritten by the next steps before any reads them.
+        """
+        static = key_len is not None
+        width = self.k + 1 if static else max(self.waiting[s] for s in batch.slot_list)
         p = self.pending.index_select(0, batch.slots)
         c = (batch.starts - p).clamp(min=0)  # = committed (a padding row's slot holds nothing)
         rows = c[:, None] + torch.arange(width, device=roots.device)
         slots = batch.slots[:, None]
         last = (p - 1)[:, None]
         tokens = self.tokens[slots, rows + 1].scatter(1, last, roots[:, None])
-        ctx = ForwardContext.prefill(self.cache, SlotBatch(batch.slot_list, committed, batch.slots, c), width)
+        ctx = ForwardContext.prefill(self.cache, self.at(batch, c, -1), width, key_len)
         out = self.head(self.target.embed_tokens(tokens), self.hidden[slots, rows], ctx)
         hidden = out.gather(1, last[..., None].expand(-1, -1, out.shape[-1]))
         drafts = [self.target.lm_head(hidden).argmax(-1)]
         for j in range(1, self.k):  # step j + 1 sits at position n + j - 1, after the previous step
-            at = SlotBatch(batch.slot_list, [n + j - 1 for n in batch.start_list], batch.slots, batch.starts + j - 1)
-            ctx = ForwardContext.prefill(self.cache, at, 1)
+            ctx = ForwardContext.prefill(self.cache, self.at(batch, batch.starts + j - 1, j - 1), 1, key_len)
             hidden = self.head(self.target.embed_tokens(drafts[-1]), hidden, ctx)
             drafts.append(self.target.lm_head(hidden).argmax(-1))
         return chain_spec(torch.cat([roots[:, None]] + drafts, dim=1))
 
+    def at(self, batch: SlotBatch, starts: Tensor, offset: int) -> SlotBatch:
+        """The head's batch starting at `starts`: on the host, the target's lengths + offset (-1: the
+        head's committed lengths); in a captured round, the tensors alone."""
+        if not batch.slot_list:
+            return SlotBatch.captured(batch.slots, starts)
+        if offset < 0:
+            return SlotBatch(batch.slot_list, [self.cache.lengths[s] for s in batch.slot_list], batch.slots, starts)
+        return SlotBatch(batch.slot_list, [n + offset for n in batch.start_list], batch.slots, starts)
+
     def accept(self, batch: SlotBatch, spec: TreeSpec, path: Tensor, features: Tensor, counts: list[int]) -> None:
-        """After the walk: the first step's entries are committed (the head now holds an entry for
-        every position the target held), and the accepted nodes (path [R, A], -1 past the count)
-        wait as the next round's pending entries. Rows past len(counts) pad the batch."""
+        """After the walk: keep() the accepted nodes, then advance() the host's lengths."""
+        self.keep(batch, spec, path, features, len(counts))
+        self.advance(batch, counts)
+
+    def keep(self, batch: SlotBatch, spec: TreeSpec, path: Tensor, features: Tensor, real: int | None = None) -> None:
+        """The device half of a round's commit: the accepted nodes (path [R, A], -1 past the count)
+        are stored and wait as the next round's pending entries. Rows past `real` pad the batch
+        (a captured round keeps every row: its padding rows sit on the dummy slot)."""
         nodes = path.clamp(min=0)
         feats = features.gather(1, nodes[..., None].expand(-1, -1, features.shape[-1]))
         self.store(batch, spec.tokens.gather(1, nodes), feats)
-        real = len(counts)
         self.pending.index_copy_(0, batch.slots[:real], (path[:real] >= 0).sum(1))
+
+    def advance(self, batch: SlotBatch, counts: list[int]) -> None:
+        """The host half: the first step's entries are committed (the head now holds an entry for
+        every position the target held), and each slot waits on its accepted count."""
         for slot, n, count in zip(batch.slot_list, batch.start_list, counts):
             self.cache.set_length(slot, n)
             self.waiting[slot] = count

@@ -169,7 +169,7 @@ class ModelRunner:
         self.prompt_logits: dict[int, Tensor] = {}  # slot -> its complete prompt's last logits, until start_samples
         self.saved_states: dict[int, RecurrentState] = {}  # prefix reuse on a hybrid target: key -> state
         self.graphs: RoundGraphs | None = None
-        if config.compile and self.policy is None and self.mtp is None and not isinstance(self.draft_cache, SlidingDraftCache):
+        if config.compile and self.policy is None and not isinstance(self.draft_cache, SlidingDraftCache):
             keys = sorted({key_bucket(n, self.cache.max_len) for n in range(1, self.cache.max_len + 1)})
             buckets = [b for b in (1 << i for i in range(self.max_rows.bit_length())) if b <= self.max_rows]
             self.graphs = RoundGraphs(self, buckets, keys, dummy=config.max_batch, progress=progress)
@@ -401,17 +401,19 @@ class ModelRunner:
     # ---- captured rounds (compile=True, a fixed method) --------------------------------------
 
     def captured_forward(self, batch: SlotBatch, roots: Tensor, key_len: int) -> dict:
-        """A captured round's first piece: the drafter's block, the tree or chain, the verify."""
-        plan = fixed_plan(batch.size, self.method if self.drafter is not None else "ar", self.block_size,
-                          self.round_budget(batch.size))
-        if plan.drafting:
+        """A captured round's first piece: the drafter's block (or the MTP head's k steps), the tree
+        or chain, the verify."""
+        plan = self.fixed_round_plan(batch.size)
+        if self.mtp is not None:
+            spec = self.mtp.draft(batch, roots, key_len)
+        elif plan.drafting:
             _, logits, markov = self.draft_pass(batch, roots, plan.depth, key_len)
             spec = self.build(roots, logits, markov, plan.budget if plan.tree_rows else 0)
             if plan.tree_rows:
                 spec = self.static_depth(spec, min(logits.shape[1], plan.budget))
         else:
             spec = chain_spec(roots[:, None])
-        ctx, out = self._verify(batch, spec, key_len, self.drafter is not None)
+        ctx, out = self._verify(batch, spec, key_len, self.drafter is not None or self.mtp is not None)
         return {"logits": out.logits, "positions": ctx.positions, "features": out.features, "spec": spec, "ctx": ctx}
 
     def captured_commit(self, state: dict, picks: Tensor, key_len: int) -> dict:
@@ -422,6 +424,8 @@ class ModelRunner:
         self.cache.compact(ctx, walk.path, walk.num_nodes)
         if self.drafter is not None:
             self._append(ctx.batch, state["features"], walk.path, key_len)
+        elif self.mtp is not None:
+            self.mtp.keep(ctx.batch, state["spec"], walk.path, state["features"])
         return {"num_nodes": walk.num_nodes, "tokens": walk.tokens, "path": walk.path}
 
     def step_captured(self, reqs: list[Request]
@@ -450,8 +454,9 @@ class ModelRunner:
             self.cache.advance(batch, counts)
             if self.drafter is not None:
                 self.draft_cache.advance(batch, counts)
-        self.last_plan = fixed_plan(real, self.method if self.drafter is not None else "ar", self.block_size,
-                                    self.round_budget(len(reqs)))
+            elif self.mtp is not None:
+                self.mtp.advance(batch, counts)
+        self.last_plan = self.fixed_round_plan(len(reqs), real)
         return emitted, dict(self.clock.seconds), logprobs
 
     # ---- the plan: who drafts, and how ----------------------------------------------------
@@ -460,10 +465,14 @@ class ModelRunner:
         # (A slot's held-back context is set when it is seated: empty, or its source's.)
         if self.policy is not None:
             return self.policy.plan(reqs)
+        return self.fixed_round_plan(len(reqs))
+
+    def fixed_round_plan(self, rows: int, real: int | None = None) -> RoundPlan:
+        """A fixed method's plan for `real` of a round's `rows` rows (all by default), at the budget of `rows`."""
         if self.mtp is not None:  # every row verifies the head's chain of k drafts
-            return fixed_plan(len(reqs), "dflash", self.block_size, 0)
+            return fixed_plan(real or rows, "dflash", self.block_size, 0)
         method = self.method if self.drafter is not None else "ar"
-        return fixed_plan(len(reqs), method, self.block_size, self.round_budget(len(reqs)))
+        return fixed_plan(real or rows, method, self.block_size, self.round_budget(rows))
 
     def stage(self, plan: RoundPlan, reqs: list[Request]) -> tuple[dict[str, Tensor], dict[int, list[int]]]:
         """Upload the plan's index lists in one copy."""
