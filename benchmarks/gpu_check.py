@@ -16,7 +16,11 @@ stays off, so no round waits for the device except at its one read. It checks an
 4. one tree verify layer's attention at the 8B head shape (bf16), contexts 1k/8k/32k x trees of
    16/64/256 nodes: one SDPA with the tree's full bias (old) against the mask-free prefix + masked
    tree part merged by log-sum-exp (new, flashtree/models/tree_attention.py), with their max
-   difference, to decide whether CUDA keeps the new path.
+   difference, to decide whether CUDA keeps the new path;
+5. budget="auto" on the device (issue 42's grid, the demo pair): auto against ar, dflash and
+   ddtree B = 16, 32 per temperature (0, 0.7, 1) x batch (1, 4, 8, 16), all requests at once,
+   prompts cut from the sources of torch's own dependencies (never tuned on), outputs capped at
+   64 tokens, the engines interleaved and timed by wall clock (benchmarks/policy_heldout.py).
 
     python benchmarks/gpu_check.py --out /tmp/gpu_check      # -> gpu_check.json + gpu_check.md
 
@@ -201,6 +205,45 @@ def tree_attention_timing(deadline: Deadline, report: dict, shrunk: bool) -> Non
             rows.append({"context": context, "nodes": nodes, "rows": batch, "error": f"{type(e).__name__}: {e}",
                          "trace": traceback.format_exc(limit=3)})
     report["tree_attention"] = rows
+
+
+GRID_PACKAGES = ("sympy", "networkx", "jinja2", "fsspec", "filelock")  # torch's own dependencies
+GRID_LABELS = ["ar", "dflash", "ddtree-16", "ddtree-32", "auto"]
+
+
+def policy_grid_checks(deadline: Deadline, report: dict) -> None:
+    """auto against the fixed methods per (temperature, batch) cell on the device; a cell left
+    without time is recorded as skipped."""
+    import importlib.util
+
+    import policy_heldout
+
+    packages = tuple(p for p in GRID_PACKAGES if importlib.util.find_spec(p) is not None)
+    if not packages:
+        report["policy_grid_error"] = f"none of {GRID_PACKAGES} is installed to cut prompts from"
+        return
+    base = policy_heldout.engine("ar", 1, None, None, DEVICE)
+    texts = policy_heldout.heldout_prompts(32, packages=packages)
+    labels = GRID_LABELS + [policy_heldout.TWIN]
+    rows = []
+    for t in (0.0, 0.7, 1.0):
+        for b in (1, 4, 8, 16):
+            if deadline.left < 45:
+                rows.append({"temperature": t, "batch": b, "skipped": "time"})
+                continue
+            try:
+                rows.append(policy_heldout.run_cell(base, texts, t, b, "at-once", labels, 1, 1, None, DEVICE, 64))
+            except Exception as e:  # a failure is a result here: record it and go on
+                rows.append({"temperature": t, "batch": b, "error": f"{type(e).__name__}: {e}"})
+    report["policy_grid"] = {"packages": packages, "rows": rows}
+
+
+def policy_grid_table(rows: list[dict]) -> list[str]:
+    return md_table(["T", "batch", *GRID_LABELS, "best fixed", "auto / best", "auto / ar", "same tokens"], rows,
+                    lambda r: [str(r["temperature"]), str(r["batch"])], "tok_s",
+                    lambda r: [f"{r['tok_s'][k]:.0f}" for k in GRID_LABELS] + [
+                        r["best_fixed"], f"{r['auto_x_best']:.2f}", f"{r['auto_x_ar']:.2f}",
+                        "yes" if r["same_tokens"] else "NO"])
 
 
 def md_table(columns: list[str], rows: list[dict], head, measured: str, cells) -> list[str]:
@@ -398,6 +441,12 @@ def markdown(report: dict) -> str:
         lines += [f"Kernel check (the engine takes this path only where it passes): "
                   f"{report.get('tree_attention_kernels_pass')}", ""]
         lines += tree_attention_table(report["tree_attention"])
+    grid = report.get("policy_grid")
+    if grid:
+        lines += ["", f"## budget=\"auto\" against fixed methods (demo pair; prompts from {', '.join(grid['packages'])}; "
+                  "tok/s by wall clock)", ""] + policy_grid_table(grid["rows"])
+    elif "policy_grid_error" in report:
+        lines.append(f"\nauto grid not run: {report['policy_grid_error']}")
     if report.get("sdpa_backends"):
         lines += ["", "## SDPA backends (bf16, 8B head shapes)", ""]
         lines += [f"- {k}: {v}" for k, v in report["sdpa_backends"].items()]
@@ -409,6 +458,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
     ap.add_argument("--budget-seconds", type=float, default=420.0)
     ap.add_argument("--skip-8b", action="store_true")
+    ap.add_argument("--skip-grid", action="store_true", help="skip section 5 (auto against fixed methods)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script, not a measurement")
     ap.add_argument("--shrink-8b", action="store_true",
                     help="a tiny stand-in for the Qwen3-8B shape (smoke-testing section 3 on a CPU)")
@@ -433,6 +483,8 @@ def main() -> None:
             tree_attention_timing(deadline, report, args.shrink_8b or DEVICE == "cpu")
             if not args.skip_8b:
                 qwen3_8b_checks(deadline, report, Path(tmp))
+            if not args.skip_grid:
+                policy_grid_checks(deadline, report)
     finally:
         report["seconds"] = args.budget_seconds - deadline.left
         (out / "gpu_check.json").write_text(json.dumps(report, indent=2))

@@ -70,28 +70,30 @@ def heldout_prompts(n: int, seed: int = 0, packages: tuple[str, ...] = PACKAGES)
     return [p for pair in zip(code, prose) for p in pair][:n]
 
 
-def engine(label: str, batch: int, base: LLMEngine | None, drafter: str | None) -> LLMEngine:
+def engine(label: str, batch: int, base: LLMEngine | None, drafter: str | None, device: str | None = None
+           ) -> LLMEngine:
     method, budget = ("ddtree", "auto") if label == "auto" else ("ar" if label == TWIN else label, 64)
     if label.startswith("ddtree-"):
         method, budget = "ddtree", int(label.split("-")[1])
     cfg = EngineConfig(drafter=drafter, method=method, budget=budget, max_budget=64, max_batch=batch,
-                       max_model_len=1024, prefix_cache=False)
+                       max_model_len=1024, prefix_cache=False, device=device)
     return LLMEngine(cfg, share_weights=base)
 
 
 class Arrivals:
     """One engine's run of a cell's requests: all added at the first step (every = 0) or one
-    every `every` of its steps; only the engine's own steps count as its time, in CPU seconds
+    every `every` of its steps; only the engine's own steps count as its time, by `clock` (the
+    process's CPU seconds on the CPU; wall seconds on a GPU, whose work the CPU does not do)
     (run_interleaved's protocol: step() is False once every request has finished)."""
 
     def __init__(self, eng: LLMEngine, ids: list[list[int]], params: list[SamplingParams], cell: GridCell,
-                 every: int) -> None:
-        self.eng, self.pending, self.cell, self.every = eng, list(zip(ids, params)), cell, every
+                 every: int, clock=time.process_time) -> None:
+        self.eng, self.pending, self.cell, self.every, self.clock = eng, list(zip(ids, params)), cell, every, clock
         self.reqs: list = []
         self.steps = 0
 
     def step(self) -> bool:
-        t0 = time.process_time()
+        t0 = self.clock()
         if self.pending and (not self.every or self.steps % self.every == 0):
             arriving = self.pending if not self.every else self.pending[:1]
             self.reqs += [self.eng.add_request(p, sp) for p, sp in arriving]
@@ -99,12 +101,40 @@ class Arrivals:
         if self.eng.has_unfinished:
             self.eng.step()
         self.steps += 1
-        self.cell.seconds += time.process_time() - t0
+        self.cell.seconds += self.clock() - t0
         if self.pending or self.eng.has_unfinished:
             return True
         self.cell.tokens += sum(len(r.output_ids) for r in self.reqs)
         self.cell.outputs.append([t for r in self.reqs for t in r.output_ids])
         return False
+
+
+def run_cell(base: LLMEngine, texts: list[str], t: float, b: int, shape: str, labels: list[str], per_batch: int,
+             passes: int, drafter: str | None, device: str | None = None, max_tokens: int | None = None) -> dict:
+    """One (temperature, batch, fill) cell: every label's engine on the same requests, interleaved;
+    rates, auto against the best fixed method and `ar`, and whether all emitted the same tokens."""
+    n = max(8, per_batch * b)
+    ids = [base.encode(x)[-400:] for x in texts[:n]]
+    lengths = [min(LENGTHS[i % len(LENGTHS)], max_tokens or LENGTHS[-1]) for i in range(n)]
+    params = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True, seed=1000 + i) for i, m in enumerate(lengths)]
+    engines = {label: engine(label, b, base, drafter, device) for label in labels}
+    cells = {label: GridCell(t, b, label) for label in labels}
+    clock = time.perf_counter if base.device.type == "cuda" else time.process_time
+    for p in range(passes):
+        run_interleaved([Arrivals(engines[label], ids, params, cells[label], 0 if shape == "at-once" else 2, clock)
+                         for label in labels], seed=1000 * p + 10 * b + round(10 * t) + (shape == "gradual"))
+    rate = {label: c.tokens_per_s for label, c in cells.items()}
+    fixed = {k: v for k, v in rate.items() if k not in ("auto", TWIN)}
+    top = max(fixed, key=fixed.get)
+    row = {"temperature": t, "batch": b, "shape": shape, "requests": n, "tok_s": rate,
+           "best_fixed": top, "auto_x_best": rate["auto"] / fixed[top], "auto_x_ar": rate["auto"] / rate["ar"],
+           "twin_x_ar": rate[TWIN] / rate["ar"],
+           "same_tokens": all(c.outputs == cells["ar"].outputs for c in cells.values())}
+    print(f"T={t} batch={b} {shape:8s} auto {rate['auto']:7.1f} tok/s | best {top} {fixed[top]:7.1f} | "
+          f"auto/best {row['auto_x_best']:.3f} auto/ar {row['auto_x_ar']:.3f} twin/ar {row['twin_x_ar']:.3f}"
+          + ("" if row["same_tokens"] else " OUTPUTS DIFFER"), flush=True)
+    print("    " + "  ".join(f"{k} {v:.0f}" for k, v in rate.items()), flush=True)
+    return row
 
 
 def main() -> None:
@@ -119,37 +149,16 @@ def main() -> None:
                          "starlette anyio httpx jinja2 requests)")
     ap.add_argument("--labels", nargs="+", default=LABELS, help="engines to compare; auto is always one")
     ap.add_argument("--drafter", default=None, help="default: the demo's DFlash2 drafter")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu (cuda: timed by wall clock)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="cap every request's output length")
     ap.add_argument("--out")
     args = ap.parse_args()
     labels = list(dict.fromkeys([*args.labels, "auto", TWIN]))
-    base = engine("ar", 1, None, args.drafter)
+    base = engine("ar", 1, None, args.drafter, args.device)
     texts = heldout_prompts(max(8, args.per_batch * max(args.batches)) * 2, packages=tuple(args.packages))
-    rows = []
-    for t in args.temperatures:
-        for b in args.batches:
-            for shape in args.shapes:
-                n = max(8, args.per_batch * b)
-                ids = [base.encode(x)[-400:] for x in texts[:n]]
-                params = [SamplingParams(temperature=t, max_tokens=LENGTHS[i % len(LENGTHS)], ignore_eos=True,
-                                         seed=1000 + i) for i in range(n)]
-                engines = {label: engine(label, b, base, args.drafter) for label in labels}
-                cells = {label: GridCell(t, b, label) for label in labels}
-                for p in range(args.passes):
-                    run_interleaved([Arrivals(engines[label], ids, params, cells[label],
-                                              0 if shape == "at-once" else 2) for label in labels],
-                                    seed=1000 * p + 10 * b + round(10 * t) + (shape == "gradual"))
-                rate = {label: c.tokens_per_s for label, c in cells.items()}
-                fixed = {k: v for k, v in rate.items() if k not in ("auto", TWIN)}
-                top = max(fixed, key=fixed.get)
-                row = {"temperature": t, "batch": b, "shape": shape, "requests": n, "tok_s": rate,
-                       "best_fixed": top, "auto_x_best": rate["auto"] / fixed[top], "auto_x_ar": rate["auto"] / rate["ar"],
-                       "twin_x_ar": rate[TWIN] / rate["ar"],
-                       "same_tokens": all(c.outputs == cells["ar"].outputs for c in cells.values())}
-                rows.append(row)
-                print(f"T={t} batch={b} {shape:8s} auto {rate['auto']:7.1f} tok/s | best {top} {fixed[top]:7.1f} | "
-                      f"auto/best {row['auto_x_best']:.3f} auto/ar {row['auto_x_ar']:.3f} twin/ar {row['twin_x_ar']:.3f}"
-                      + ("" if row["same_tokens"] else " OUTPUTS DIFFER"), flush=True)
-                print("    " + "  ".join(f"{k} {v:.0f}" for k, v in rate.items()), flush=True)
+    rows = [run_cell(base, texts, t, b, shape, labels, args.per_batch, args.passes, args.drafter, args.device,
+                     args.max_tokens)
+            for t in args.temperatures for b in args.batches for shape in args.shapes]
     worst_best = min(rows, key=lambda r: r["auto_x_best"])
     worst_ar = min(rows, key=lambda r: r["auto_x_ar"])
     print(f"\nworst auto/best: {worst_best['auto_x_best']:.3f} (T={worst_best['temperature']}, batch "
