@@ -104,13 +104,13 @@ def run_interleaved(configs: list[dict], common: dict, passes: int) -> dict[str,
     import random
 
     os.environ.update(engine_env(common["core"]))  # before vLLM is imported
-    engines = {}
+    engines, load = {}, {}
     for cfg in configs:
         t0 = time.perf_counter()
-        engines[cfg["label"]] = build({**common, **cfg})
-        engines[cfg["label"]][0].generate(groups(common)[0][:common["concurrency"]], engines[cfg["label"]][1],
-                                          use_tqdm=False)  # warm-up
-        print(f"built {cfg['label']} in {time.perf_counter() - t0:.0f} s", flush=True)
+        engines[cfg["label"]] = llm, params = build({**common, **cfg})
+        load[cfg["label"]] = time.perf_counter() - t0
+        llm.generate(groups(common)[0][:common["concurrency"]], params, use_tqdm=False)  # warm-up
+        print(f"built {cfg['label']} in {load[cfg['label']]:.0f} s", flush=True)
     rng = random.Random(0)
     totals = {label: {"wall": 0.0, "cpu": 0.0, "tokens": 0} for label in engines}
     outputs: dict[str, list] = {label: [] for label in engines}
@@ -129,7 +129,7 @@ def run_interleaved(configs: list[dict], common: dict, passes: int) -> dict[str,
                 totals[label]["tokens"] += sum(len(o.outputs[0].token_ids) for o in outs)
                 outputs[label] += outs
         print(f"pass {p + 1} done", flush=True)
-    return {label: {"tok_s": t["tokens"] / t["wall"], "cpu_tok_s": t["tokens"] / t["cpu"], "load": 0.0,
+    return {label: {"tok_s": t["tokens"] / t["wall"], "cpu_tok_s": t["tokens"] / t["cpu"], "load": load[label],
                     "outputs": [list(o.outputs[0].token_ids) for o in outputs[label]], "tau": tau(outputs[label])}
             for label, t in totals.items()}
 

@@ -165,7 +165,8 @@ def best_first_one(root: int, tok_lp: np.ndarray, tok_id: np.ndarray, width: int
     D, K = tok_lp.shape
     cost = (-tok_lp).tolist()  # float32 values, held exactly by Python floats
     f32 = np.float32
-    heap = [(cost[0][0], 1, 0, 0, -0.0)]  # (cost, depth, parent's level rank, token rank, parent's cost); the root's is -0.0 as in build_levels
+    # (cost, depth, parent's level rank, token rank, parent's cost); the root's cost is -0.0, as in build_levels
+    heap = [(cost[0][0], 1, 0, 0, -0.0)]
     popped = [0] * (D + 1)  # nodes popped per depth: the next one's level rank
     nodes = []  # in pop order: (depth, level rank, parent's level rank, token rank, cost)
     while heap and len(nodes) < width:
