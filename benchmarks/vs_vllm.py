@@ -61,7 +61,9 @@ def parse_config(text: str) -> dict:
 # ---- workers (run in their own processes) ----------------------------------------------------------
 
 
-def run_flashtree(job: dict) -> dict:
+def build_flashtree(job: dict):
+    """flashtree's engine for one config, warmed as a user's first request; returns one(ids) ->
+    (tokens, tau), the engine and its load seconds."""
     import torch
 
     from flashtree import LLM, SamplingParams
@@ -75,18 +77,17 @@ def run_flashtree(job: dict) -> dict:
               device="cpu", dtype="float32", max_batch=1, max_model_len=job["max_model_len"], **kwargs)
     load = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
-    llm.generate([job["prompts"][0]], params)  # warm-up, as a user's first request
-    outputs, taus, t0 = [], [], time.perf_counter()
-    for ids in job["prompts"]:
+
+    def one(ids: list[int]) -> tuple[list[int], float | None]:
         out = llm.generate([ids], params)[0]
-        outputs.append(out.token_ids)
-        taus.append(out.stats.mean_accept_length)
-    wall = time.perf_counter() - t0
-    return {"wall": wall, "load": load, "outputs": outputs, "tau": sum(taus) / len(taus),
-            "capture_seconds": llm.engine.capture_seconds}
+        return out.token_ids, out.stats.mean_accept_length
+
+    one(job["prompts"][0])  # warm-up, as a user's first request
+    return one, llm, load
 
 
-def run_vllm(job: dict) -> dict:
+def build_vllm(job: dict):
+    """vLLM's engine for one config (ar or its DFlash chain), warmed; as build_flashtree."""
     from vllm import LLM, SamplingParams
 
     spec = None
@@ -101,13 +102,63 @@ def run_vllm(job: dict) -> dict:
               seed=0, speculative_config=spec)
     load = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
-    llm.generate([{"prompt_token_ids": job["prompts"][0]}], params, use_tqdm=False)  # warm-up
-    outputs, t0 = [], time.perf_counter()
+
+    def one(ids: list[int]) -> tuple[list[int], float | None]:
+        return list(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids), None
+
+    one(job["prompts"][0])
+    return one, llm, load
+
+
+def run_config(job: dict) -> dict:
+    """One config alone: every prompt in turn, wall-clock timed."""
+    one, llm, load = (build_vllm if job["engine"] == "vllm" else build_flashtree)(job)
+    outputs, taus, t0 = [], [], time.perf_counter()
     for ids in job["prompts"]:
-        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-        outputs.append(list(out.outputs[0].token_ids))
+        tokens, tau = one(ids)
+        outputs.append(tokens)
+        taus.append(tau)
     wall = time.perf_counter() - t0
-    return {"wall": wall, "load": load, "outputs": outputs, "tau": None}
+    return {"wall": wall, "load": load, "outputs": outputs, "tau": None if taus[0] is None else sum(taus) / len(taus),
+            "capture_seconds": getattr(getattr(llm, "engine", None), "capture_seconds", None)}
+
+
+def run_interleaved(configs: list[dict], common: dict, passes: int, first_core: int) -> dict[str, dict]:
+    """Every config's engine in this process (vLLM's in-process engine core), taking turns prompt by
+    prompt in a new random order each turn; a config's rate is its tokens over the CPU seconds of
+    its own turns, so the box's drift falls on every config alike."""
+    import random
+
+    threads = common["threads"]
+    os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                       "OMP_NUM_THREADS": str(threads),
+                       "VLLM_CPU_OMP_THREADS_BIND": str(first_core) if threads == 1 else
+                       f"{first_core}-{first_core + threads - 1}"})  # before vLLM is imported
+    engines = {cfg["label"]: (build_vllm if cfg["engine"] == "vllm" else build_flashtree)({**common, **cfg})
+               for cfg in configs}
+    rng = random.Random(0)
+    cpu = dict.fromkeys(engines, 0.0)
+    wall = dict.fromkeys(engines, 0.0)
+    outputs: dict[str, list] = {label: [] for label in engines}
+    taus: dict[str, list] = {label: [] for label in engines}
+    for p in range(passes):
+        for label in engines:
+            outputs[label], taus[label] = [], []
+        for ids in common["prompts"]:
+            order = list(engines)
+            rng.shuffle(order)
+            for label in order:
+                c0, t0 = time.process_time(), time.perf_counter()
+                tokens, tau = engines[label][0](ids)
+                cpu[label] += time.process_time() - c0
+                wall[label] += time.perf_counter() - t0
+                outputs[label].append(tokens)
+                taus[label].append(tau)
+        print(f"pass {p + 1} done", flush=True)
+    return {label: {"cpu": cpu[label] / passes, "wall": wall[label] / passes, "load": engines[label][2],
+                    "outputs": outputs[label], "capture_seconds": None,
+                    "tau": None if taus[label][0] is None else sum(taus[label]) / len(taus[label])}
+            for label in engines}
 
 
 def worker(job_file: str, out_file: str) -> None:
@@ -116,8 +167,7 @@ def worker(job_file: str, out_file: str) -> None:
         # vLLM binds its threads to cores 0..n-1 (VLLM_CPU_OMP_THREADS_BIND below); flashtree gets
         # the same cores, or on a shared machine the pinned engine keeps a core other jobs leave.
         os.sched_setaffinity(0, range(job["first_core"], job["first_core"] + job["threads"]))
-    result = run_vllm(job) if job["engine"] == "vllm" else run_flashtree(job)
-    Path(out_file).write_text(json.dumps(result))
+    Path(out_file).write_text(json.dumps(run_config(job)))
 
 
 # ---- the driver ---------------------------------------------------------------------------------------
@@ -166,6 +216,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--first-core", type=int, default=0, help="the first of the cores both engines run on")
     ap.add_argument("--compile", action="store_true", help="flashtree configs run with compile=True")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="every config in this process (run it with vLLM's python, pinned with taskset), taking "
+                         "turns prompt by prompt, rated by CPU seconds")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     if args.worker:
@@ -183,7 +236,11 @@ def main() -> None:
         if cfg["engine"] == "flashtree" and args.flashtree_drafter and "drafter" not in cfg:
             cfg["drafter"] = args.flashtree_drafter
     best: dict[str, dict] = {}
-    for p in range(args.passes):
+    if args.interleaved:
+        best = run_interleaved(configs, common, args.passes, args.first_core)
+        for res in best.values():
+            res["tok_s"] = sum(len(o) for o in res["outputs"]) / res["cpu"]
+    for p in range(0 if args.interleaved else args.passes):
         for cfg in configs:
             python = args.vllm_python if cfg["engine"] == "vllm" else sys.executable
             res = run_one(cfg, common, python, args.threads, args.first_core)
@@ -197,7 +254,8 @@ def main() -> None:
     chain = best.get("vllm:dflash", {}).get("tok_s")
     vllm_ar = best.get("vllm:ar", {}).get("tok_s")
     print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, batch 1, greedy, {args.threads} thread(s), "
-          f"best of {args.passes} passes; drafter {Path(args.drafter).name}"
+          + (f"{args.passes} passes interleaved in one process (tok per CPU-second)" if args.interleaved
+             else f"best of {args.passes} passes") + f"; drafter {Path(args.drafter).name}"
           + (f", flashtree {Path(args.flashtree_drafter).name}" if args.flashtree_drafter else "") + "\n")
     print("| engine / method | tok/s | tau | x vLLM ar | x vLLM dflash | outputs == ar |")
     print("|---|---|---|---|---|---|")
