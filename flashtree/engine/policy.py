@@ -167,6 +167,7 @@ class Policy:
         self.cls = [0] * slots
         self.level = np.zeros(slots)  # each request's own recent base ...
         self.measured = np.zeros(slots)  # ... and the rounds it rests on
+        self.due = np.zeros(slots)  # the output tokens at which a request on AR steps is probed (again)
         self.tokens = np.zeros(slots)  # each request's output tokens when last planned
         self.factor = np.ones(len(self.grid) + 2)  # timed / modelled seconds per arm; the last is AR's
         self.rounds = 0
@@ -230,7 +231,7 @@ class Policy:
                 recent = self._stats(self.cls[s]).recent
                 recent[:] = [*recent[1 - RECENT:], float(self.level[s])]
             self.owner[s], self.cls[s] = req.request_id, sampling_class(req.params)
-            self.level[s], self.measured[s] = self._stats(self.cls[s]).level, 0.0
+            self.level[s], self.measured[s], self.due[s] = self._stats(self.cls[s]).level, 0.0, PROBE_TOKENS
 
     def _levels(self, slots: list[int], classes: list[int]) -> np.ndarray:
         """Each row's level: its own, shrunk toward its class's (at face value, the lucky rows would be
@@ -293,7 +294,7 @@ class Policy:
             probe = self._probe(reqs, rows, classes, gains, table, R, ar_rate)
             if probe is None:
                 # AR steps measure nothing: held until the batch changes, or an exploration or probe is due.
-                due = [PROBE_TOKENS - 1 - len(reqs[i].output_ids) for i in rows if not self.measured[reqs[i].slot]]
+                due = [self.due[reqs[i].slot] - 1 - len(reqs[i].output_ids) for i in rows]
                 self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])))
                 return steps(ar_seconds)
             arm, explored, baseline = self.chain_arm, True, ar_rate
@@ -311,7 +312,7 @@ class Policy:
         """Rows whose requests were never measured, past their openings: the chain drafts for them
         once, paid from credit (under AR steps nothing measures them, and a class says little of them)."""
         fresh = [j for j, i in enumerate(rows)
-                 if not self.measured[reqs[i].slot] and len(reqs[i].output_ids) >= PROBE_TOKENS]
+                 if len(reqs[i].output_ids) >= self.due[reqs[i].slot]]
         if not fresh or not np.isfinite(table[self.chain_arm, len(fresh)]):
             return None
         short = self._short(self.chain_arm, gains[fresh], [classes[j] for j in fresh], table, R, ar_rate)
@@ -382,6 +383,7 @@ class Policy:
                 if cls >= 0:  # the opening says little of the request either
                     self.level[s] += max(REQUEST_RATE, 1.0 / (1.0 + self.measured[s])) * (base - self.level[s])
                     self.measured[s] += 1
+                    self.due[s] = 2 * self.tokens[s]
         for c in {self.cls[s] for s in slots}:
             for st in (self._stats(c), self._stats(-1 - c)):
                 st.credit += credit
