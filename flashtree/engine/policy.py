@@ -101,29 +101,27 @@ def by_size(codes: list[int], sizes: list[int]) -> tuple[list[int], int, bool]:
 
 
 class ClassStats:
-    """Measured acceptance of one sampling class: the level of the base, the chain's survival by depth,
-    and per tree its gain over the chain on the same rows, apart per LEVELS bin of the rows' levels: a
-    tree's edge where the chain keeps little says nothing of it where the chain keeps much. Priors
-    worth PRIOR_ROWS rows keep one unlucky round from ruling drafting out."""
+    """Measured acceptance of one sampling class: the level of the base, the chain's survival by depth
+    and, per LEVELS bin of the rows' levels, each tree's and the chain's kept tokens on the same rows (a
+    tree's edge where the chain keeps little says nothing of it where it keeps much). Priors worth
+    PRIOR_ROWS rows keep one unlucky round from ruling drafting out."""
 
     def __init__(self, arms: int, depth: int) -> None:
         self.level, self.level_rows = BASE / 2, 0.0
-        self.gain = np.zeros((arms, len(LEVELS) + 1))  # per tree and level bin: average kept past the chain
-        self.rows = np.zeros_like(self.gain)  # rows each gain (the chain's: its runs) rests on
-        self.seen = np.zeros_like(self.gain)  # the class's round when each was last measured
+        self.kept = np.zeros((2, arms, len(LEVELS) + 1))  # per tree and level bin: its average kept, the chain's
+        self.rows = np.zeros_like(self.kept[0])  # on the same rows, and the rows each rests on (the chain's: all runs)
+        self.seen = np.zeros_like(self.kept[0])  # the class's round when each was last measured
         self.reached = np.full(depth, float(PRIOR_ROWS))  # the chain: rows that reached each depth ...
         self.stopped = self.reached / (depth / 2 + 1)  # ... and stopped there (prior: ~half kept)
-        self.round = 0
-        self.credit = 0.0  # seconds exploration may spend
+        self.round, self.credit = 0, 0.0  # the class's rounds; seconds exploration may spend
         self.seated = 0.0  # scouts owed to requests seated plain (admit)
         self.recent: list[float] = []  # the own levels of its last RECENT measured requests
-        self._chain_shape()
 
-    def measured(self, level: int, gains: np.ndarray) -> None:
-        """One tree row in `level` bin: per tree size up to the one played, drafted tokens kept past the chain's."""
-        n = len(gains)
+    def measured(self, level: int, counts: list[int], chain: float) -> None:
+        """One tree row in `level` bin: per tree size up to the one played, drafted tokens kept; the chain's run."""
+        n = len(counts)
         rate = np.maximum(SHAPE_RATE, 1.0 / (1.0 + self.rows[:n, level]))  # a plain mean over the first rows
-        self.gain[:n, level] += rate * (gains - self.gain[:n, level])
+        self.kept[:, :n, level] += rate * (np.array([counts, [chain] * n]) - self.kept[:, :n, level])
         self.rows[:n, level] += 1
         self.seen[:n, level] = self.round
 
@@ -132,8 +130,7 @@ class ClassStats:
         expected run (past `run` where censored, from the survival before this row)."""
         run, survival = int(run), np.cumprod(1 - self.stopped / self.reached)
         expected = run + survival[run:].sum() / (survival[run - 1] if run else 1.0) if censored else run
-        self.reached *= 1 - SHAPE_RATE
-        self.stopped *= 1 - SHAPE_RATE
+        self.reached, self.stopped = self.reached * (1 - SHAPE_RATE), self.stopped * (1 - SHAPE_RATE)
         self.reached[: run + (not censored)] += 1
         if not censored and run < len(self.stopped):
             self.stopped[run] += 1
@@ -141,13 +138,13 @@ class ClassStats:
         self.seen[-1, level] = self.round
         return float(expected)
 
-    def _chain_shape(self) -> None:
-        self.shape = np.cumprod(1 - self.stopped / self.reached).sum() / (self.level + P)
+    @property
+    def shape(self) -> float:  # the chain's: its expected run over level + P
+        return np.cumprod(1 - self.stopped / self.reached).sum() / (self.level + P)
 
     def leveled(self, base: float) -> None:
         self.level += max(LEVEL_RATE, 1.0 / (1.0 + PRIOR_ROWS + self.level_rows)) * (base - self.level)
         self.level_rows += 1
-        self._chain_shape()
 
 
 class Policy:
@@ -234,22 +231,23 @@ class Policy:
             self.level[s], self.measured[s], self.due[s] = self._stats(self.cls[s]).level, 0.0, PROBE_TOKENS
 
     def _levels(self, slots: list[int], classes: list[int]) -> np.ndarray:
-        """Each row's level: its own, shrunk toward its class's (at face value, the lucky rows would be
-        chosen to draft)."""
+        """Each row's level: its own, shrunk toward its class's (else the lucky rows would be chosen to draft)."""
         own = self.measured[slots] / (self.measured[slots] + OWN_ROUNDS)
         return own * self.level[slots] + (1 - own) * np.array([self._stats(c).level for c in classes])
 
     def expected(self, classes: list[int], levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[rows, arms]: the drafted tokens each row (its class and level) is expected to keep, and the rows
-        each estimate rests on (at most KNOWN). A tree keeps the chain's plus its gain in the row's level
-        bin; one never measured there keeps what the chain's first b would."""
+        each estimate rests on (at most KNOWN). A tree keeps what it kept in the row's level bin, less where
+        the chain is expected to keep less than it did on those rows; never measured there, the chain's first b."""
         uniq = sorted(set(classes))
         idx, stats, bins = [uniq.index(c) for c in classes], [self._stats(c) for c in uniq], np.digitize(levels, LEVELS)
-        chain = np.array([st.shape for st in stats])[idx] * (np.asarray(levels) + P)
-        known = np.array([np.where(st.round - st.seen <= STALE, np.minimum(st.rows, KNOWN), 0) for st in stats])
-        known, gain = known[idx, :, bins], np.array([st.gain for st in stats])[idx, :, bins]
-        trees = np.where(known[:, :-1] > 0, chain[:, None] + gain[:, :-1], chain[:, None] * self.cap[:-1] / self.depth)
-        out = np.append(np.maximum.accumulate(trees, axis=1), chain[:, None], axis=1)
+        chain = np.array([st.shape for st in stats])[idx][:, None] * (np.asarray(levels)[:, None] + P)
+        per = np.array([(s.rows, s.round - s.seen, *s.kept) for s in stats])[idx, :, :, bins]
+        rows, age, kept, paired = np.moveaxis(per, 1, 0)  # each [rows, arms], at the row's level bin
+        known = np.where(age <= STALE, np.minimum(rows, KNOWN), 0)
+        shifted = np.clip(chain + kept - paired, 0.0, kept)[:, :-1]  # moved down with the chain, never up
+        trees = np.where(rows[:, :-1] > 0, shifted, chain * self.cap[:-1] / self.depth)
+        out = np.append(np.maximum.accumulate(trees, axis=1), chain, axis=1)
         opening = np.array(classes) < 0  # an opening: the chain or AR steps, never explored
         out[opening, :-1], known[opening] = 0.0, KNOWN
         known[:, -1] = np.maximum(known[:, -1], 1)  # the chain rests on its prior from the start
@@ -309,8 +307,9 @@ class Policy:
 
     def _probe(self, reqs: list[Request], rows: list[int], classes: list[int], gains: np.ndarray, table: np.ndarray,
                R: int, ar_rate: float) -> list[int] | None:
-        """Rows whose requests were never measured, past their openings: the chain drafts for them
-        once, paid from credit (under AR steps nothing measures them, and a class says little of them)."""
+        """Rows past their openings never measured, or not since their output was half what it is: the
+        chain drafts for them, paid from credit (under AR steps nothing measures them, and a class says
+        little of them)."""
         fresh = [j for j, i in enumerate(rows)
                  if len(reqs[i].output_ids) >= self.due[reqs[i].slot]]
         if not fresh or not np.isfinite(table[self.chain_arm, len(fresh)]):
@@ -330,10 +329,9 @@ class Policy:
 
     def _explore(self, classes: set[int], gains: np.ndarray, known: np.ndarray, table: np.ndarray, R: int,
                  best_rate: float) -> tuple[int | None, float]:
-        """The largest thin tree (it measures every smaller one) that could beat best_rate, else the chain if
-        thin, once the credit covers it (charged in observe, at what it really cost); and the credit still
-        short. Could: every row keeps all it can, or past a measured tree, the chain's plus that tree's
-        best gain a node (gains grow slower than trees) times the nodes."""
+        """The largest thin tree (it measures every smaller one) that could beat best_rate (every row keeping
+        all it can, or past a measured tree, the chain's plus that tree's best gain a node times the nodes:
+        gains grow slower), else the chain if thin, once the credit covers it; and the credit still short."""
         sizes = self.windows[:-2] - 1.0
         lift = np.where(known[:, :-1] > 0, np.maximum(gains[:, :-1] - gains[:, -1:], 0.0) / sizes, -1.0).max(1)
         reach = gains[:, -1:] + np.append(lift[:, None] * sizes, np.full((len(gains), 1), np.inf), 1)
@@ -376,8 +374,8 @@ class Policy:
                 st = self._stats(cls)
                 counts, run, censored = measured[n] if plan.tree_rows else ([], accepted[plan.draft_rows[n]], False)
                 chain = st.chain_run(run, censored and run < self.depth, level)  # the chain along the spine
-                if counts:  # a tree round: every smaller tree exactly, against the chain on the same row
-                    st.measured(level, np.array(counts) - chain)
+                if counts:  # a tree round: every smaller tree exactly, and the chain on the same row
+                    st.measured(level, counts, chain)
                 base = min(run, BASE)
                 st.leveled(base)
                 if cls >= 0:  # the opening says little of the request either
