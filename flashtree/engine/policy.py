@@ -3,10 +3,11 @@ of b nodes, whichever measured acceptance and round costs predict gives the most
 rate = (R + sum over drafting rows of E_row(arm)) / seconds(R, arm, rows).
 
 E is measured: a verified tree tells what every smaller top-b tree would have accepted (`by_size`),
-and the chain's run along its spine. Acceptance comes in streaks, so E = shape(arm) x (level + P):
-a shape per sampling class, paired with the request's own recent base (its run over the first BASE
-spine nodes). Exploring thin arms, and probing each request on AR steps once, is paid from a credit
-of EXPLORE of the time drafting saved plus PROBE of all time. docs/performance.md says why.
+and the chain's run along its spine. Acceptance comes in streaks, so the chain's E = shape x (level
++ P), a shape per sampling class, paired with the request's own recent base (its run over the first
+BASE spine nodes); a tree's is what it kept at that level beside the chain on the same rows. Exploring
+thin trees, and probing requests on AR steps as their output doubles, is paid from a credit of
+EXPLORE of the time drafting saved plus PROBE of all time. docs/performance.md says why.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 7
 AR, CHAIN, TREE = 0, 1, 2
 MODE_NAMES = ("ar", "chain", "tree")
 BASE, P = 3, 0.5  # the paired base (spine nodes), and the tokens added to it in the chain's shape
-LEVELS = (1.5, 2.5)  # bins of a row's level, each with its own tree gains
+LEVELS = (1.5, 2.5)  # bins of a row's level, each with its own tree statistics
 LEVEL_RATE, REQUEST_RATE, SHAPE_RATE = 0.05, 0.3, 0.02  # EMA weights: per class row, per request round, per row
 OWN_ROUNDS = 2  # a request's own level counts n / (n + OWN_ROUNDS) against its class's after n rounds
-KNOWN = 8  # rows measured before an arm's shape is trusted without exploring it
+KNOWN = 8  # rows measured before an arm's estimate is trusted without exploring it
 STALE = 300  # rounds of its class after which an arm not measured since is explored again, once
 PRIOR_ROWS = 8  # the weight, in rows, of the level's and the chain's priors
 SETTLE_ROWS = 32  # rows measured before a class whose drafts do not pay seats requests plain
@@ -307,9 +308,8 @@ class Policy:
 
     def _probe(self, reqs: list[Request], rows: list[int], classes: list[int], gains: np.ndarray, table: np.ndarray,
                R: int, ar_rate: float) -> list[int] | None:
-        """Rows past their openings never measured, or not since their output was half what it is: the
-        chain drafts for them, paid from credit (under AR steps nothing measures them, and a class says
-        little of them)."""
+        """Rows past their openings not measured since their output was half what it is (or ever): the chain
+        drafts for them, paid from credit (under AR steps nothing measures them; a class says little of them)."""
         fresh = [j for j, i in enumerate(rows)
                  if len(reqs[i].output_ids) >= self.due[reqs[i].slot]]
         if not fresh or not np.isfinite(table[self.chain_arm, len(fresh)]):
