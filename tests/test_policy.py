@@ -283,21 +283,31 @@ def test_tree_rounds_measure_every_smaller_tree_for_the_class():
     _feed(policy, plan, reqs, accept=0.9)
     st = policy.classes[0]
     j = policy.grid.index(32)
-    assert (st.rows[: j + 1] > 1.9).all() and (st.rows[j + 1 : -1] == 0).all()  # two rows each (fading)
-    assert st.rows[policy.chain_arm] == 2
+    rows = st.rows.sum(1)  # over the level bins
+    assert (rows[: j + 1] == 2).all() and (rows[j + 1 : -1] == 0).all()  # two rows each
+    assert rows[policy.chain_arm] == 2
 
 
-def test_a_shape_predicts_the_mean_kept_where_rounds_keep_all_or_little():
-    """A tree at T = 0 keeps everything or almost nothing: half its rounds keep 15 (base 3), half
-    keep 0 (base 0). At the class's level the shape predicts the mean kept, 7.5 (an average of
-    per-round ratios would predict 4.3)."""
-    policy = Policy(synthetic_cost(1e-5), 16, 16, 64, 4096)
-    st, arm = policy._stats(0), policy.grid.index(64)
-    for i in range(2000):
-        kept = 15 if i % 2 else 0
-        st.measured(arm, kept, min(kept, 3))
-        st.leveled(min(kept, 3))
-    assert abs(st.shape[arm] * (st.level + 0.5) - 7.5) < 0.5
+def test_a_tree_is_judged_against_the_chain_at_the_rows_level():
+    """A tree of 16 keeps 5 more than the chain on rows whose chain keeps 1 (a request's early
+    rounds) and 1 less on rows whose chain keeps 14 (its later rounds). Fed both, the policy plays
+    the tree for a row at the low level and the chain for a row at the high level, where a tree's
+    acceptance pooled over both (as shapes were) would play the tree for both."""
+    policy = Policy(synthetic_cost(3e-5), 16, 16, 64, 4096)
+    low, high = _requests(1), _requests(1, first=1)
+    sizes = policy.grid[: policy.grid.index(16) + 1]  # 1, 2, 3, 4, 6, 8, 12, 16
+    early = ([1, 1, 2, 2, 3, 4, 5, 6], 1, False)  # per size, the drafted tokens the top-b tree keeps; the spine's run
+    later = ([min(b, 13) for b in sizes], 14, False)
+    assert sum(early[0]) and len(early[0]) == len(sizes)
+    policy.plan(low + high)  # seats them
+    plan = policy.arm_plan(policy.grid.index(16), 2)
+    for _ in range(40):
+        policy.observe(plan, [0, 1], [6, 13], [early, later], plan.seconds or 0.01)
+    for st in policy.classes.values():
+        st.credit = 0.0  # no exploration
+    assert policy.plan(high).arm == policy.chain_arm
+    tree = policy.plan(low)
+    assert tree.arm == policy.grid.index(16) and not tree.explored
 
 
 def test_the_chain_is_measured_along_tree_spines_where_they_end_first():
@@ -317,7 +327,7 @@ def test_the_chain_is_measured_along_tree_spines_where_they_end_first():
             st.chain_run(run, False)
         st.leveled(min(run, 3))
     truth = sum(0.8 ** d for d in range(1, 16))
-    assert abs(st.shape[policy.chain_arm] * (st.level + 0.5) - truth) < 0.6
+    assert abs(st.shape * (st.level + 0.5) - truth) < 0.6
     assert np.mean(seen) < 3
 
 
@@ -384,20 +394,26 @@ def test_an_exploration_pays_its_loss_against_the_plan_it_displaced():
         assert paid > 0  # it lost against it, and the credit paid for that
 
 
-def test_a_new_request_on_ar_steps_is_probed_once_with_the_chain():
+def test_a_request_on_ar_steps_is_probed_with_the_chain_each_time_its_output_doubles():
     """A class whose requests kept nothing is on AR steps; a new request in its slot drafts the
     chain once after its first PROBE_TOKENS tokens (an exploration, paid from credit), and what
-    it keeps decides its next rounds: all kept, it goes on drafting; nothing kept, AR steps."""
+    it keeps decides its next rounds: all kept, it goes on drafting; nothing kept, AR steps, and
+    another probe once its output has doubled (a request's later text is often guessed better)."""
+
+    def probe_credit(policy, req):  # enough for the chain's predicted loss, short of exploring the tree of 64
+        ar_seconds, table = policy.seconds(1)
+        gains = policy.expected([0], policy._levels([req.slot], [0]))[0][0]
+        loss = table[:, 1] - (1 + gains) * ar_seconds
+        assert loss[policy.grid.index(64)] > 1.01 * loss[policy.chain_arm]
+        policy.classes[0].credit = 1.01 * max(loss[policy.chain_arm], 0.0)
+
     for accept, drafts_on in ((0.95, True), (0.0, False)):
         policy = Policy(synthetic_cost(1e-5, draft=2e-3), 16, 16, 64, 4096)
         _run(policy, _requests(1), accept=0.0, rounds=400)
         _run(policy, _requests(1, first=1, tokens=0), accept=0.0, rounds=400)  # openings too
         assert policy.plan(_requests(1, tokens=0)).drafting == 0
         new = _requests(1, tokens=0)
-        ar_seconds, table = policy.seconds(1)
-        probe_loss = table[policy.chain_arm, 1] - ar_seconds  # at most what the probe costs over an AR step
-        policy.classes[0].credit = probe_loss * 1.01  # enough for it, short of exploring the tree of 64
-        assert table[policy.grid.index(64), 1] - ar_seconds > policy.classes[0].credit
+        probe_credit(policy, new[0])
         new[0].output_ids = [5] * (PROBE_TOKENS - 1)
         assert policy.plan(new).drafting == 0  # too early: a request's first rounds keep little
         new[0].output_ids = [5] * PROBE_TOKENS
@@ -405,6 +421,13 @@ def test_a_new_request_on_ar_steps_is_probed_once_with_the_chain():
         assert probe.explored and probe.modes == [CHAIN]
         _feed(policy, probe, new, accept=accept)
         assert (policy.plan(new).drafting > 0) == drafts_on
+    probe_credit(policy, new[0])
+    for t in range(PROBE_TOKENS + 1, 2 * PROBE_TOKENS):  # an AR step a token
+        new[0].output_ids = [5] * t
+        assert policy.plan(new).drafting == 0
+    new[0].output_ids = [5] * (2 * PROBE_TOKENS)
+    again = policy.plan(new)
+    assert again.explored and again.modes == [CHAIN]
 
 
 def test_a_class_seats_plain_only_if_none_of_its_recent_requests_would_draft():

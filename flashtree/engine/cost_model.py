@@ -41,10 +41,6 @@ def _bracket(points: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return i, (v - points[i]) / (points[i + 1] - points[i])
 
 
-def _scalar_bracket(points: np.ndarray, v: float) -> int:
-    return min(max(int(np.searchsorted(points, v, side="right")) - 1, 0), len(points) - 2)
-
-
 class Grid:
     """Seconds over a 2-D grid of bucket points (each axis at least 2 points), bilinear, extrapolated
     along the last slope. Along the `monotone` axes each point is lifted to the smaller ones after
@@ -73,11 +69,8 @@ class Grid:
     def nudge(self, x: float, y: float, observed: float, rate: float) -> None:
         """Move the corners around (x, y) so the prediction there moves `rate` of the way to `observed`
         (clipped: one outlier round cannot double a cell). Scalar code: it runs with every refinement."""
-        i = _scalar_bracket(self.xs, x)
-        j = _scalar_bracket(self.ys, y)
-        x0, x1, y0, y1 = self.xs[i], self.xs[i + 1], self.ys[j], self.ys[j + 1]
-        wx = min(1.0, max(0.0, (x - x0) / (x1 - x0)))
-        wy = min(1.0, max(0.0, (y - y0) / (y1 - y0)))
+        (i, wx), (j, wy) = _bracket(self.xs, x), _bracket(self.ys, y)
+        wx, wy = (min(1.0, max(0.0, float(w))) for w in (wx, wy))  # within the bracket: only its corners move
         v = self.values
         corners = ((i, j, (1 - wx) * (1 - wy)), (i + 1, j, wx * (1 - wy)), (i, j + 1, (1 - wx) * wy),
                    (i + 1, j + 1, wx * wy))

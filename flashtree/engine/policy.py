@@ -3,10 +3,11 @@ of b nodes, whichever measured acceptance and round costs predict gives the most
 rate = (R + sum over drafting rows of E_row(arm)) / seconds(R, arm, rows).
 
 E is measured: a verified tree tells what every smaller top-b tree would have accepted (`by_size`),
-and the chain's run along its spine. Acceptance comes in streaks, so E = shape(arm) x (level + P):
-a shape per sampling class, paired with the request's own recent base (its run over the first BASE
-spine nodes). Exploring thin arms, and probing each request on AR steps once, is paid from a credit
-of EXPLORE of the time drafting saved plus PROBE of all time. docs/performance.md says why.
+and the chain's run along its spine. Acceptance comes in streaks, so the chain's E = shape x (level
++ P), a shape per sampling class, paired with the request's own recent base (its run over the first
+BASE spine nodes); a tree's is what it kept at that level beside the chain on the same rows. Exploring
+thin trees, and probing requests on AR steps as their output doubles, is paid from a credit of
+EXPLORE of the time drafting saved plus PROBE of all time. docs/performance.md says why.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from flashtree.sampling import SamplingParams
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 AR, CHAIN, TREE = 0, 1, 2
 MODE_NAMES = ("ar", "chain", "tree")
-BASE, P = 3, 0.5  # the paired base (spine nodes), and the tokens added to both sides of a shape
+BASE, P = 3, 0.5  # the paired base (spine nodes), and the tokens added to it in the chain's shape
+LEVELS = (1.5, 2.5)  # bins of a row's level, each with its own tree statistics
 LEVEL_RATE, REQUEST_RATE, SHAPE_RATE = 0.05, 0.3, 0.02  # EMA weights: per class row, per request round, per row
 OWN_ROUNDS = 2  # a request's own level counts n / (n + OWN_ROUNDS) against its class's after n rounds
-KNOWN = 8  # rows measured before an arm's shape is trusted without exploring it
+KNOWN = 8  # rows measured before an arm's estimate is trusted without exploring it
 STALE = 300  # rounds of its class after which an arm not measured since is explored again, once
 PRIOR_ROWS = 8  # the weight, in rows, of the level's and the chain's priors
 SETTLE_ROWS = 32  # rows measured before a class whose drafts do not pay seats requests plain
@@ -100,51 +102,50 @@ def by_size(codes: list[int], sizes: list[int]) -> tuple[list[int], int, bool]:
 
 
 class ClassStats:
-    """Measured acceptance of one sampling class: the level of the base, each tree's shape (a ratio of
-    averages) and the chain's survival by depth. Priors worth PRIOR_ROWS rows keep one unlucky round
-    from ruling drafting out."""
+    """Measured acceptance of one sampling class: the level of the base, the chain's survival by depth
+    and, per LEVELS bin of the rows' levels, each tree's and the chain's kept tokens on the same rows (a
+    tree's edge where the chain keeps little says nothing of it where it keeps much). Priors worth
+    PRIOR_ROWS rows keep one unlucky round from ruling drafting out."""
 
     def __init__(self, arms: int, depth: int) -> None:
         self.level, self.level_rows = BASE / 2, 0.0
-        self.kept = np.zeros(arms)  # per tree: average accepted drafted tokens ...
-        self.paired = np.zeros(arms)  # ... and average base + P on the same rows
+        self.kept = np.zeros((2, arms, len(LEVELS) + 1))  # per tree and level bin: its average kept, the chain's
+        self.rows = np.zeros_like(self.kept[0])  # on the same rows, and the rows each rests on (the chain's: all runs)
+        self.seen = np.zeros_like(self.kept[0])  # the class's round when each was last measured
         self.reached = np.full(depth, float(PRIOR_ROWS))  # the chain: rows that reached each depth ...
         self.stopped = self.reached / (depth / 2 + 1)  # ... and stopped there (prior: ~half kept)
-        self.shape = np.full(arms, np.nan)  # per arm, accepted / (base + P)
-        self.rows = np.zeros(arms)  # rows each arm's shape rests on (the prior not counted)
-        self.seen = np.zeros(arms)  # the class's round when each arm was last measured
-        self.round = 0
-        self.credit = 0.0  # seconds exploration may spend
+        self.round, self.credit = 0, 0.0  # the class's rounds; seconds exploration may spend
         self.seated = 0.0  # scouts owed to requests seated plain (admit)
         self.recent: list[float] = []  # the own levels of its last RECENT measured requests
-        self._chain_shape()
 
-    def measured(self, arm: int, accepted: float, base: float) -> None:
-        rate = max(SHAPE_RATE, 1.0 / (1.0 + self.rows[arm]))  # a plain mean over the first rows
-        self.kept[arm] += rate * (accepted - self.kept[arm])
-        self.paired[arm] += rate * (base + P - self.paired[arm])
-        self.shape[arm] = self.kept[arm] / self.paired[arm]
-        self.rows[arm] += 1
-        self.seen[arm] = self.round
+    def measured(self, level: int, counts: list[int], chain: float) -> None:
+        """One tree row in `level` bin: per tree size up to the one played, drafted tokens kept; the chain's run."""
+        n = len(counts)
+        rate = np.maximum(SHAPE_RATE, 1.0 / (1.0 + self.rows[:n, level]))  # a plain mean over the first rows
+        self.kept[:, :n, level] += rate * (np.array([counts, [chain] * n]) - self.kept[:, :n, level])
+        self.rows[:n, level] += 1
+        self.seen[:n, level] = self.round
 
-    def chain_run(self, run: int, censored: bool) -> None:
-        """The chain kept `run` drafted tokens, and stopped at the next one unless censored."""
-        run = int(run)
-        self.reached *= 1 - SHAPE_RATE
-        self.stopped *= 1 - SHAPE_RATE
+    def chain_run(self, run: int, censored: bool, level: int = 0) -> float:
+        """The chain kept `run` drafted tokens, and stopped at the next one unless censored; returns its
+        expected run (past `run` where censored, from the survival before this row)."""
+        run, survival = int(run), np.cumprod(1 - self.stopped / self.reached)
+        expected = run + survival[run:].sum() / (survival[run - 1] if run else 1.0) if censored else run
+        self.reached, self.stopped = self.reached * (1 - SHAPE_RATE), self.stopped * (1 - SHAPE_RATE)
         self.reached[: run + (not censored)] += 1
         if not censored and run < len(self.stopped):
             self.stopped[run] += 1
-        self.rows[-1] += 1
-        self.seen[-1] = self.round
+        self.rows[-1, level] += 1
+        self.seen[-1, level] = self.round
+        return float(expected)
 
-    def _chain_shape(self) -> None:
-        self.shape[-1] = np.cumprod(1 - self.stopped / self.reached).sum() / (self.level + P)
+    @property
+    def shape(self) -> float:  # the chain's: its expected run over level + P
+        return np.cumprod(1 - self.stopped / self.reached).sum() / (self.level + P)
 
     def leveled(self, base: float) -> None:
         self.level += max(LEVEL_RATE, 1.0 / (1.0 + PRIOR_ROWS + self.level_rows)) * (base - self.level)
         self.level_rows += 1
-        self._chain_shape()
 
 
 class Policy:
@@ -164,6 +165,7 @@ class Policy:
         self.cls = [0] * slots
         self.level = np.zeros(slots)  # each request's own recent base ...
         self.measured = np.zeros(slots)  # ... and the rounds it rests on
+        self.due = np.zeros(slots)  # the output tokens at which a request on AR steps is probed (again)
         self.tokens = np.zeros(slots)  # each request's output tokens when last planned
         self.factor = np.ones(len(self.grid) + 2)  # timed / modelled seconds per arm; the last is AR's
         self.rounds = 0
@@ -227,27 +229,30 @@ class Policy:
                 recent = self._stats(self.cls[s]).recent
                 recent[:] = [*recent[1 - RECENT:], float(self.level[s])]
             self.owner[s], self.cls[s] = req.request_id, sampling_class(req.params)
-            self.level[s], self.measured[s] = self._stats(self.cls[s]).level, 0.0
+            self.level[s], self.measured[s], self.due[s] = self._stats(self.cls[s]).level, 0.0, PROBE_TOKENS
+
+    def _levels(self, slots: list[int], classes: list[int]) -> np.ndarray:
+        """Each row's level: its own, shrunk toward its class's (else the lucky rows would be chosen to draft)."""
+        own = self.measured[slots] / (self.measured[slots] + OWN_ROUNDS)
+        return own * self.level[slots] + (1 - own) * np.array([self._stats(c).level for c in classes])
 
     def expected(self, classes: list[int], levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[rows, arms]: the drafted tokens each row (its class and level) is expected to keep, and the rows
-        each estimate rests on (at most KNOWN). A tree never measured keeps what the chain's first b would."""
+        each estimate rests on (at most KNOWN). A tree keeps what it kept in the row's level bin, less where
+        the chain is expected to keep less than it did on those rows; never measured there, the chain's first b."""
         uniq = sorted(set(classes))
-        shapes, known = [], []
-        for c in uniq:
-            st = self._stats(c)
-            trees, chain = st.shape[:-1], st.shape[-1]
-            if c < 0:  # an opening: the chain or AR steps, never explored
-                shapes.append(np.append(np.zeros(self.chain_arm), chain))
-                known.append(np.full(self.chain_arm + 1, KNOWN))
-                continue
-            trees = np.where(np.isnan(trees), chain * self.cap[:-1] / self.depth, trees)
-            shapes.append(np.append(np.maximum.accumulate(trees), chain))
-            known.append(np.where(st.round - st.seen <= STALE, np.minimum(st.rows, KNOWN), 0))
-            known[-1][-1] = max(known[-1][-1], 1)  # the chain rests on its prior from the start
-        idx = [uniq.index(c) for c in classes]
-        out = np.array(shapes)[idx] * (np.asarray(levels)[:, None] + P)
-        return np.minimum(out, self.cap), np.array(known)[idx]
+        idx, stats, bins = [uniq.index(c) for c in classes], [self._stats(c) for c in uniq], np.digitize(levels, LEVELS)
+        chain = np.array([st.shape for st in stats])[idx][:, None] * (np.asarray(levels)[:, None] + P)
+        per = np.array([(s.rows, s.round - s.seen, *s.kept) for s in stats])[idx, :, :, bins]
+        rows, age, kept, paired = np.moveaxis(per, 1, 0)  # each [rows, arms], at the row's level bin
+        known = np.where(age <= STALE, np.minimum(rows, KNOWN), 0)
+        shifted = np.clip(chain + kept - paired, 0.0, kept)[:, :-1]  # moved down with the chain, never up
+        trees = np.where(rows[:, :-1] > 0, shifted, chain * self.cap[:-1] / self.depth)
+        out = np.append(np.maximum.accumulate(trees, axis=1), chain, axis=1)
+        opening = np.array(classes) < 0  # an opening: the chain or AR steps, never explored
+        out[opening, :-1], known[opening] = 0.0, KNOWN
+        known[:, -1] = np.maximum(known[:, -1], 1)  # the chain rests on its prior from the start
+        return np.minimum(out, self.cap), known
 
     def plan(self, reqs: list[Request]) -> RoundPlan:
         R = len(reqs)
@@ -274,10 +279,7 @@ class Policy:
         slots = [reqs[i].slot for i in rows]
         self.tokens[slots] = [len(reqs[i].output_ids) for i in rows]
         classes = [self._class_of(s) for s in slots]
-        # Own levels are shrunk toward the class's: at face value, the lucky rows would be chosen to draft.
-        own = self.measured[slots] / (self.measured[slots] + OWN_ROUNDS)
-        levels = own * self.level[slots] + (1 - own) * np.array([self._stats(c).level for c in classes])
-        gains, known = self.expected(classes, levels)  # [k, arms]
+        gains, known = self.expected(classes, self._levels(slots, classes))  # [k, arms]
         room = [reqs[i].params.max_tokens - len(reqs[i].output_ids) - 1 for i in rows]  # drafted tokens it may keep
         gains = np.minimum(gains, np.maximum(np.array(room, dtype=float), 0.0)[:, None])
         # A tree is played for its rate only once measured; before that, only to explore it.
@@ -291,7 +293,7 @@ class Policy:
             probe = self._probe(reqs, rows, classes, gains, table, R, ar_rate)
             if probe is None:
                 # AR steps measure nothing: held until the batch changes, or an exploration or probe is due.
-                due = [PROBE_TOKENS - 1 - len(reqs[i].output_ids) for i in rows if not self.measured[reqs[i].slot]]
+                due = [self.due[reqs[i].slot] - 1 - len(reqs[i].output_ids) for i in rows]
                 self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])))
                 return steps(ar_seconds)
             arm, explored, baseline = self.chain_arm, True, ar_rate
@@ -306,10 +308,10 @@ class Policy:
 
     def _probe(self, reqs: list[Request], rows: list[int], classes: list[int], gains: np.ndarray, table: np.ndarray,
                R: int, ar_rate: float) -> list[int] | None:
-        """Rows whose requests were never measured, past their openings: the chain drafts for them
-        once, paid from credit (under AR steps nothing measures them, and a class says little of them)."""
+        """Rows past their openings not measured since their output was half what it is (or ever): the chain
+        drafts for them, paid from credit (under AR steps nothing measures them; a class says little of them)."""
         fresh = [j for j, i in enumerate(rows)
-                 if not self.measured[reqs[i].slot] and len(reqs[i].output_ids) >= PROBE_TOKENS]
+                 if len(reqs[i].output_ids) >= self.due[reqs[i].slot]]
         if not fresh or not np.isfinite(table[self.chain_arm, len(fresh)]):
             return None
         short = self._short(self.chain_arm, gains[fresh], [classes[j] for j in fresh], table, R, ar_rate)
@@ -327,9 +329,14 @@ class Policy:
 
     def _explore(self, classes: set[int], gains: np.ndarray, known: np.ndarray, table: np.ndarray, R: int,
                  best_rate: float) -> tuple[int | None, float]:
-        """The largest thin tree (it measures every smaller one), else the chain if thin, once the credit
-        covers it (charged in observe, at what it really cost); and the credit still short."""
-        thin = np.flatnonzero((known < KNOWN).any(0) & np.isfinite(table[:, len(gains)]))
+        """The largest thin tree (it measures every smaller one) that could beat best_rate (every row keeping
+        all it can, or past a measured tree, the chain's plus that tree's best gain a node times the nodes:
+        gains grow slower), else the chain if thin, once the credit covers it; and the credit still short."""
+        sizes = self.windows[:-2] - 1.0
+        lift = np.where(known[:, :-1] > 0, np.maximum(gains[:, :-1] - gains[:, -1:], 0.0) / sizes, -1.0).max(1)
+        reach = gains[:, -1:] + np.append(lift[:, None] * sizes, np.full((len(gains), 1), np.inf), 1)
+        upper = np.where(lift[:, None] >= 0, np.minimum(reach, self.cap), self.cap).sum(0)
+        thin = np.flatnonzero((known < KNOWN).any(0) & ((R + upper) / table[:, len(gains)] > best_rate))
         if not len(thin):
             return None, np.inf
         arm = int(thin[-2] if thin[-1] == self.chain_arm and len(thin) > 1 else thin[-1])
@@ -360,19 +367,21 @@ class Policy:
             # plan it displaced: the best arm's rate, not AR's, where drafting pays.
             credit = PROBE * seconds + (min(0.0, tokens / plan.baseline - seconds) if plan.explored
                                         else EXPLORE * max(0.0, tokens * ar_seconds / R - seconds))
-            for n, i in enumerate(plan.draft_rows):
-                s = slots[i]
-                cls = self._class_of(s)
+            drafted = [slots[i] for i in plan.draft_rows]
+            classes = [self._class_of(s) for s in drafted]
+            bins = np.digitize(self._levels(drafted, classes), LEVELS)
+            for n, (s, cls, level) in enumerate(zip(drafted, classes, bins)):
                 st = self._stats(cls)
-                counts, run, censored = measured[n] if plan.tree_rows else ([], accepted[i], False)
+                counts, run, censored = measured[n] if plan.tree_rows else ([], accepted[plan.draft_rows[n]], False)
+                chain = st.chain_run(run, censored and run < self.depth, level)  # the chain along the spine
+                if counts:  # a tree round: every smaller tree exactly, and the chain on the same row
+                    st.measured(level, counts, chain)
                 base = min(run, BASE)
-                for j, got in enumerate(counts):  # a tree round: every smaller tree exactly
-                    st.measured(j, got, base)
-                st.chain_run(run, censored and run < self.depth)  # the chain along the spine
                 st.leveled(base)
                 if cls >= 0:  # the opening says little of the request either
                     self.level[s] += max(REQUEST_RATE, 1.0 / (1.0 + self.measured[s])) * (base - self.level[s])
                     self.measured[s] += 1
+                    self.due[s] = 2 * self.tokens[s]
         for c in {self.cls[s] for s in slots}:
             for st in (self._stats(c), self._stats(-1 - c)):
                 st.credit += credit
