@@ -6,7 +6,8 @@ from other jobs on a shared machine hits every configuration alike, and each con
 its best pass. Prompts are tokenized once here and given to both engines as token ids, so both
 decode exactly the same inputs, and the script checks that their outputs are token-identical.
 Both engines run on the same cores (--first-core onwards, default 0..threads-1): vLLM binds its threads there, and the
-flashtree worker pins itself there too.
+flashtree worker pins itself there too. vLLM runs its engine core in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): its
+default second process would share those cores with the first and slow vLLM down for the pinning's sake.
 
 vLLM lives in its own virtual environment (its CPU wheel pins its own torch):
 
@@ -192,6 +193,9 @@ def run_one(cfg: dict, common: dict, python: str, threads: int, first_core: int 
     if cfg["engine"] == "vllm":
         last = first_core + threads - 1
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(first_core) if threads == 1 else f"{first_core}-{last}"
+        # vLLM's engine core in the calling process: by default it is a second process, which on the
+        # benchmark's pinned cores competes with the first for them.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return run_job(python, __file__, {**common, **cfg, "first_core": first_core}, env, cfg["label"])
 
 
