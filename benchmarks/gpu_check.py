@@ -232,7 +232,8 @@ def policy_grid_checks(deadline: Deadline, report: dict) -> None:
                 rows.append({"temperature": t, "batch": b, "skipped": "time"})
                 continue
             try:
-                rows.append(policy_heldout.run_cell(base, texts, t, b, "at-once", labels, 1, 1, None, DEVICE, 64))
+                rows.append(policy_heldout.run_cell(base, texts, t, b, "at-once", labels, per_batch=1, passes=1,
+                                                    drafter=None, device=DEVICE, max_tokens=64))
             except Exception as e:  # a failure is a result here: record it and go on
                 rows.append({"temperature": t, "batch": b, "error": f"{type(e).__name__}: {e}"})
     report["policy_grid"] = {"packages": packages, "rows": rows}

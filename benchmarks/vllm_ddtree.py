@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from flashtree.bench.jobs import run_job
+from flashtree.bench.jobs import run_job, take_turns
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "flashtree" / "assets" / "demo"
@@ -100,9 +100,7 @@ def run(job: dict) -> dict:
 
 def run_interleaved(configs: list[dict], common: dict, passes: int) -> dict[str, dict]:
     """Every configuration's engine in this process, taking turns prompt by prompt (see the module
-    docstring); per configuration its CPU and wall seconds over all passes, outputs of the last."""
-    import random
-
+    docstring); per configuration its rates over all passes, outputs of the last."""
     os.environ.update(engine_env(common["core"]))  # before vLLM is imported
     engines, load = {}, {}
     for cfg in configs:
@@ -111,27 +109,16 @@ def run_interleaved(configs: list[dict], common: dict, passes: int) -> dict[str,
         load[cfg["label"]] = time.perf_counter() - t0
         llm.generate(groups(common)[0][:common["concurrency"]], params, use_tqdm=False)  # warm-up
         print(f"built {cfg['label']} in {load[cfg['label']]:.0f} s", flush=True)
-    rng = random.Random(0)
-    totals = {label: {"wall": 0.0, "cpu": 0.0, "tokens": 0} for label in engines}
-    outputs: dict[str, list] = {label: [] for label in engines}
-    for p in range(passes):
-        for label in engines:
-            outputs[label] = []
-        for group in groups(common):
-            order = list(engines)
-            rng.shuffle(order)
-            for label in order:
-                llm, params = engines[label]
-                t0, c0 = time.perf_counter(), time.process_time()
-                outs = llm.generate(group, params, use_tqdm=False)
-                totals[label]["wall"] += time.perf_counter() - t0
-                totals[label]["cpu"] += time.process_time() - c0
-                totals[label]["tokens"] += sum(len(o.outputs[0].token_ids) for o in outs)
-                outputs[label] += outs
-        print(f"pass {p + 1} done", flush=True)
-    return {label: {"tok_s": t["tokens"] / t["wall"], "cpu_tok_s": t["tokens"] / t["cpu"], "load": load[label],
-                    "outputs": [list(o.outputs[0].token_ids) for o in outputs[label]], "tau": tau(outputs[label])}
-            for label, t in totals.items()}
+    runs = {label: (lambda group, llm=llm, params=params: llm.generate(group, params, use_tqdm=False))
+            for label, (llm, params) in engines.items()}
+    turns = take_turns(runs, groups(common), passes)
+    result = {}
+    for label, t in turns.items():
+        outs = t["results"]
+        tokens = passes * sum(len(o.outputs[0].token_ids) for o in outs)
+        result[label] = {"tok_s": tokens / t["wall"], "cpu_tok_s": tokens / t["cpu"], "load": load[label],
+                         "outputs": [list(o.outputs[0].token_ids) for o in outs], "tau": tau(outs)}
+    return result
 
 
 def worker(job_file: str, out_file: str) -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flashtree.bench.jobs import run_job  # noqa: E402
+from flashtree.bench.jobs import run_job, take_turns  # noqa: E402
 
 DEMO = ROOT / "flashtree" / "assets" / "demo"
 
@@ -128,8 +128,6 @@ def run_interleaved(configs: list[dict], common: dict, passes: int, first_core: 
     """Every config's engine in this process (vLLM's in-process engine core), taking turns prompt by
     prompt in a new random order each turn; a config's rate is its tokens over the CPU seconds of
     its own turns, so the box's drift falls on every config alike."""
-    import random
-
     threads = common["threads"]
     os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                        "OMP_NUM_THREADS": str(threads),
@@ -137,29 +135,15 @@ def run_interleaved(configs: list[dict], common: dict, passes: int, first_core: 
                        f"{first_core}-{first_core + threads - 1}"})  # before vLLM is imported
     engines = {cfg["label"]: (build_vllm if cfg["engine"] == "vllm" else build_flashtree)({**common, **cfg})
                for cfg in configs}
-    rng = random.Random(0)
-    cpu = dict.fromkeys(engines, 0.0)
-    wall = dict.fromkeys(engines, 0.0)
-    outputs: dict[str, list] = {label: [] for label in engines}
-    taus: dict[str, list] = {label: [] for label in engines}
-    for p in range(passes):
-        for label in engines:
-            outputs[label], taus[label] = [], []
-        for ids in common["prompts"]:
-            order = list(engines)
-            rng.shuffle(order)
-            for label in order:
-                c0, t0 = time.process_time(), time.perf_counter()
-                tokens, tau = engines[label][0](ids)
-                cpu[label] += time.process_time() - c0
-                wall[label] += time.perf_counter() - t0
-                outputs[label].append(tokens)
-                taus[label].append(tau)
-        print(f"pass {p + 1} done", flush=True)
-    return {label: {"cpu": cpu[label] / passes, "wall": wall[label] / passes, "load": engines[label][2],
-                    "outputs": outputs[label], "capture_seconds": None,
-                    "tau": None if taus[label][0] is None else sum(taus[label]) / len(taus[label])}
-            for label in engines}
+    turns = take_turns({label: (lambda ids, one=one: [one(ids)]) for label, (one, _, _) in engines.items()},
+                       common["prompts"], passes)
+    result = {}
+    for label, t in turns.items():
+        outputs, taus = [tokens for tokens, _ in t["results"]], [tau for _, tau in t["results"]]
+        result[label] = {"cpu": t["cpu"] / passes, "wall": t["wall"] / passes, "load": engines[label][2],
+                         "outputs": outputs, "capture_seconds": None,
+                         "tau": None if taus[0] is None else sum(taus) / len(taus)}
+    return result
 
 
 def worker(job_file: str, out_file: str) -> None:

@@ -97,24 +97,25 @@ class MTPDraft:
         slots = batch.slots[:, None]
         last = (p - 1)[:, None]
         tokens = self.tokens[slots, rows + 1].scatter(1, last, roots[:, None])
-        ctx = ForwardContext.prefill(self.cache, self.at(batch, c, -1), width, key_len)
+        committed = [self.cache.lengths[s] for s in batch.slot_list]
+        ctx = ForwardContext.prefill(self.cache, self.at(batch, c, committed), width, key_len)
         out = self.head(self.target.embed_tokens(tokens), self.hidden[slots, rows], ctx)
         hidden = out.gather(1, last[..., None].expand(-1, -1, out.shape[-1]))
         drafts = [self.target.lm_head(hidden).argmax(-1)]
         for j in range(1, self.k):  # step j + 1 sits at position n + j - 1, after the previous step
-            ctx = ForwardContext.prefill(self.cache, self.at(batch, batch.starts + j - 1, j - 1), 1, key_len)
+            at = self.at(batch, batch.starts + j - 1, [n + j - 1 for n in batch.start_list])
+            ctx = ForwardContext.prefill(self.cache, at, 1, key_len)
             hidden = self.head(self.target.embed_tokens(drafts[-1]), hidden, ctx)
             drafts.append(self.target.lm_head(hidden).argmax(-1))
         return chain_spec(torch.cat([roots[:, None]] + drafts, dim=1))
 
-    def at(self, batch: SlotBatch, starts: Tensor, offset: int) -> SlotBatch:
-        """The head's batch starting at `starts`: on the host, the target's lengths + offset (-1: the
-        head's committed lengths); in a captured round, the tensors alone."""
+    @staticmethod
+    def at(batch: SlotBatch, starts: Tensor, host_starts: list[int]) -> SlotBatch:
+        """The head's batch starting at `starts` (host_starts on the host); a captured round's batch
+        has no host lists, so its head batches are the tensors alone."""
         if not batch.slot_list:
             return SlotBatch.captured(batch.slots, starts)
-        if offset < 0:
-            return SlotBatch(batch.slot_list, [self.cache.lengths[s] for s in batch.slot_list], batch.slots, starts)
-        return SlotBatch(batch.slot_list, [n + offset for n in batch.start_list], batch.slots, starts)
+        return SlotBatch(batch.slot_list, host_starts, batch.slots, starts)
 
     def accept(self, batch: SlotBatch, spec: TreeSpec, path: Tensor, features: Tensor, counts: list[int]) -> None:
         """After the walk: keep() the accepted nodes, then advance() the host's lengths."""
