@@ -116,6 +116,30 @@ def test_tied_checkpoint_with_an_lm_head_copy_and_mtp_tensors_loads(tmp_path):
     assert torch.equal(model.embed_tokens.weight, state["model.embed_tokens.weight"])
 
 
+def test_cpu_float32_linear_weights_are_stored_transposed_and_hold_the_checkpoint(tmp_path):
+    """On the CPU in float32 every linear weight is the transposed view of a contiguous W^T (the fast
+    operand for MKL) holding exactly the checkpoint's values, and the logits equal HF's; a tied
+    lm_head keeps the embedding's row layout, and bfloat16 weights keep theirs."""
+    for tie in (False, True):
+        path = make_target(tmp_path / f"t{tie}", tie=tie)
+        state = load_file(str(path / "model.safetensors"))
+        model = load_target(path, torch.float32, CPU)
+        qkv = model.layers[0].self_attn.qkv_proj.weight
+        assert qkv.t().is_contiguous() and not qkv.is_contiguous()
+        assert torch.equal(qkv[model.layers[0].self_attn.qkv_proj.offset("k_proj")],
+                           state["model.layers.0.self_attn.k_proj.weight"])
+        down = model.layers[1].mlp.down_proj.weight
+        assert down.t().is_contiguous() and torch.equal(down, state["model.layers.1.mlp.down_proj.weight"])
+        assert model.embed_tokens.weight.is_contiguous()
+        assert model.lm_head.weight.is_contiguous() == tie
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ids = [3, 1, 4, 1, 5, 9, 2, 6]
+        with torch.no_grad():
+            assert (logits(model, ids) - hf(torch.tensor([ids])).logits).abs().max() < 1e-4
+    half = load_target(path, torch.bfloat16, CPU)
+    assert all(p.is_contiguous() for p in half.parameters())
+
+
 def shard(path: Path, out: Path, parts: int = 2) -> list[str]:
     """Re-save a single-file checkpoint as `parts` shards with an index json; returns the file names."""
     state = load_file(str(path / "model.safetensors"))

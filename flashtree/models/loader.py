@@ -438,16 +438,33 @@ class ShardReader:
             del block
 
 
+def transposed_weights(model: nn.Module, device: torch.device) -> set[int]:
+    """ids of the weights to store transposed (W^T contiguous, W a view of it): float32 linear weights on
+    the CPU, where MKL multiplies a window of rows by a contiguous W^T up to 1.5x faster than by W
+    (docs/performance.md); not weights an embedding shares, whose rows are looked up."""
+    if device.type != "cpu":
+        return set()
+    from flashtree.models.layers import MergedLinear
+
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return {id(m.weight) for m in model.modules()
+            if isinstance(m, (nn.Linear, MergedLinear)) and m.weight.dtype == torch.float32
+            and m.weight.dim() == 2 and id(m.weight) not in embedded}
+
+
 def materialize(model: nn.Module, device: torch.device) -> None:
-    """Give every meta parameter real (uninitialised) storage on `device`, keeping ties."""
+    """Give every meta parameter real (uninitialised) storage on `device`, keeping ties, in the
+    layout `transposed_weights` picks."""
     new: dict[int, nn.Parameter] = {}
+    transposed = transposed_weights(model, device)
     for module in model.modules():
         for attr, p in list(module._parameters.items()):
             if p is None or not p.is_meta:
                 continue
             if id(p) not in new:
-                new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                                          requires_grad=p.requires_grad)
+                flip = id(p) in transposed
+                data = torch.empty(p.shape[::-1] if flip else p.shape, dtype=p.dtype, device=device)
+                new[id(p)] = nn.Parameter(data.t() if flip else data, requires_grad=p.requires_grad)
             module._parameters[attr] = new[id(p)]
     leftover = [n for n, b in model.named_buffers() if b.is_meta]
     leftover += [f"{n}.{k}" for n, m in model.named_modules() for k, v in vars(m).items()
