@@ -224,7 +224,8 @@ def policy_grid_checks(deadline: Deadline, report: dict) -> None:
         return
     base = policy_heldout.engine("ar", 1, None, None, DEVICE)
     texts = policy_heldout.heldout_prompts(32, packages=packages)
-    labels = GRID_LABELS + [policy_heldout.TWIN]
+    run = policy_heldout.CellSettings(GRID_LABELS + [policy_heldout.TWIN], per_batch=1, passes=1, device=DEVICE,
+                                      max_tokens=64)
     rows = []
     for t in (0.0, 0.7, 1.0):
         for b in (1, 4, 8, 16):
@@ -232,8 +233,7 @@ def policy_grid_checks(deadline: Deadline, report: dict) -> None:
                 rows.append({"temperature": t, "batch": b, "skipped": "time"})
                 continue
             try:
-                rows.append(policy_heldout.run_cell(base, texts, t, b, "at-once", labels, per_batch=1, passes=1,
-                                                    drafter=None, device=DEVICE, max_tokens=64))
+                rows.append(policy_heldout.run_cell(base, texts, t, b, "at-once", run))
             except Exception as e:  # a failure is a result here: record it and go on
                 rows.append({"temperature": t, "batch": b, "error": f"{type(e).__name__}: {e}"})
     report["policy_grid"] = {"packages": packages, "rows": rows}

@@ -31,6 +31,7 @@ import random
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,18 +110,30 @@ class Arrivals:
         return False
 
 
-def run_cell(base: LLMEngine, texts: list[str], t: float, b: int, shape: str, labels: list[str], per_batch: int,
-             passes: int, drafter: str | None, device: str | None = None, max_tokens: int | None = None) -> dict:
+@dataclass
+class CellSettings:
+    """What every cell of one run shares: the engines compared and how much each cell runs."""
+
+    labels: list[str]  # engines to compare ("auto" and the twin among them)
+    per_batch: int = 2  # requests per cell = max(8, this x batch)
+    passes: int = 2
+    drafter: str | None = None  # default: the demo's DFlash2 drafter
+    device: str | None = None
+    max_tokens: int | None = None  # a cap on every request's output length
+
+
+def run_cell(base: LLMEngine, texts: list[str], t: float, b: int, shape: str, run: CellSettings) -> dict:
     """One (temperature, batch, fill) cell: every label's engine on the same requests, interleaved;
     rates, auto against the best fixed method and `ar`, and whether all emitted the same tokens."""
-    n = max(8, per_batch * b)
+    labels = run.labels
+    n = max(8, run.per_batch * b)
     ids = [base.encode(x)[-400:] for x in texts[:n]]
-    lengths = [min(LENGTHS[i % len(LENGTHS)], max_tokens or LENGTHS[-1]) for i in range(n)]
+    lengths = [min(LENGTHS[i % len(LENGTHS)], run.max_tokens or LENGTHS[-1]) for i in range(n)]
     params = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True, seed=1000 + i) for i, m in enumerate(lengths)]
-    engines = {label: engine(label, b, base, drafter, device) for label in labels}
+    engines = {label: engine(label, b, base, run.drafter, run.device) for label in labels}
     cells = {label: GridCell(t, b, label) for label in labels}
     clock = time.perf_counter if base.device.type == "cuda" else time.process_time
-    for p in range(passes):
+    for p in range(run.passes):
         run_interleaved([Arrivals(engines[label], ids, params, cells[label], 0 if shape == "at-once" else 2, clock)
                          for label in labels], seed=1000 * p + 10 * b + round(10 * t) + (shape == "gradual"))
     rate = {label: c.tokens_per_s for label, c in cells.items()}
@@ -156,8 +169,8 @@ def main() -> None:
     labels = list(dict.fromkeys([*args.labels, "auto", TWIN]))
     base = engine("ar", 1, None, args.drafter, args.device)
     texts = heldout_prompts(max(8, args.per_batch * max(args.batches)) * 2, packages=tuple(args.packages))
-    rows = [run_cell(base, texts, t, b, shape, labels, args.per_batch, args.passes, args.drafter, args.device,
-                     args.max_tokens)
+    run = CellSettings(labels, args.per_batch, args.passes, args.drafter, args.device, args.max_tokens)
+    rows = [run_cell(base, texts, t, b, shape, run)
             for t in args.temperatures for b in args.batches for shape in args.shapes]
     worst_best = min(rows, key=lambda r: r["auto_x_best"])
     worst_ar = min(rows, key=lambda r: r["auto_x_ar"])
