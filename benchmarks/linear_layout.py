@@ -14,9 +14,8 @@ layout, taking turns prompt by prompt and rated by the CPU seconds of their own 
 from __future__ import annotations
 
 import argparse
-import time
-
 import sys
+import time
 from pathlib import Path
 
 import torch
