@@ -121,7 +121,12 @@ def run_config(job: dict) -> dict:
         taus.append(tau)
     wall = time.perf_counter() - t0
     return {"wall": wall, "load": load, "outputs": outputs, "tau": None if taus[0] is None else sum(taus) / len(taus),
-            "capture_seconds": getattr(getattr(llm, "engine", None), "capture_seconds", None)}
+            "capture_seconds": capture_seconds(llm)}
+
+
+def capture_seconds(llm) -> float | None:
+    """flashtree's startup capture time (compile=True); None for vLLM, whose LLM has no such figure."""
+    return getattr(getattr(llm, "engine", None), "capture_seconds", None)
 
 
 def run_interleaved(configs: list[dict], common: dict, passes: int, first_core: int) -> dict[str, dict]:
@@ -141,7 +146,7 @@ def run_interleaved(configs: list[dict], common: dict, passes: int, first_core: 
     for label, t in turns.items():
         outputs, taus = [tokens for tokens, _ in t["results"]], [tau for _, tau in t["results"]]
         result[label] = {"cpu": t["cpu"] / passes, "wall": t["wall"] / passes, "load": engines[label][2],
-                         "outputs": outputs, "capture_seconds": None,
+                         "outputs": outputs, "capture_seconds": capture_seconds(engines[label][1]),
                          "tau": None if taus[0] is None else sum(taus) / len(taus)}
     return result
 
