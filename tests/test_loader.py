@@ -118,8 +118,9 @@ def test_tied_checkpoint_with_an_lm_head_copy_and_mtp_tensors_loads(tmp_path):
 
 def test_cpu_float32_linear_weights_are_stored_transposed_and_hold_the_checkpoint(tmp_path):
     """On the CPU in float32 every linear weight is the transposed view of a contiguous W^T (the fast
-    operand for MKL) holding exactly the checkpoint's values, and the logits equal HF's; a tied
-    lm_head keeps the embedding's row layout, and bfloat16 weights keep theirs."""
+    operand for MKL) holding exactly the checkpoint's values, and the logits equal HF's; a tied LM
+    head's embedding shares that layout, an untied embedding keeps its rows, and bfloat16 weights
+    keep theirs."""
     for tie in (False, True):
         path = make_target(tmp_path / f"t{tie}", tie=tie)
         state = load_file(str(path / "model.safetensors"))
@@ -130,8 +131,10 @@ def test_cpu_float32_linear_weights_are_stored_transposed_and_hold_the_checkpoin
                            state["model.layers.0.self_attn.k_proj.weight"])
         down = model.layers[1].mlp.down_proj.weight
         assert down.t().is_contiguous() and torch.equal(down, state["model.layers.1.mlp.down_proj.weight"])
-        assert model.embed_tokens.weight.is_contiguous()
-        assert model.lm_head.weight.is_contiguous() == tie
+        head = model.lm_head.weight
+        assert head.t().is_contiguous() and torch.equal(head, state["model.embed_tokens.weight" if tie else "lm_head.weight"])
+        assert model.embed_tokens.weight.is_contiguous() != tie
+        assert (model.embed_tokens.weight is head) == tie
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         ids = [3, 1, 4, 1, 5, 9, 2, 6]
         with torch.no_grad():
