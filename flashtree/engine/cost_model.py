@@ -27,7 +27,7 @@ from flashtree.sampler import SamplingBatch, pick
 from flashtree.sampling import SamplingParams
 from flashtree.tree import chain_spec
 
-FORMAT = 4  # bump when the tables change meaning: older cache files are then re-measured
+FORMAT = 5  # bump when the tables change meaning or what they time changes speed: older files are then re-measured
 WINDOWS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025)
 TREE_BUDGETS = (4, 16, 64, 256, 1024)
 DEFAULT_SECONDS = 1.8  # startup measurement time budget
