@@ -78,7 +78,8 @@ def main() -> None:
     if args.engine:
         return engine_ab(args.engine, args.passes, args.max_tokens)
     torch.manual_seed(0)
-    print(f"{args.layers} layers of {DEMO_LAYER}, {torch.get_num_threads()} thread(s); ms per stack, best of {args.repeats}")
+    print(f"{args.layers} layers of {DEMO_LAYER}, {torch.get_num_threads()} thread(s); "
+          f"ms per stack, best of {args.repeats}")
     print(f"{'dtype':>9} {'rows':>5} {'W':>8} {'W^T':>8} {'W / W^T':>8}")
     for name in args.dtypes:
         dtype = getattr(torch, name)

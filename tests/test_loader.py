@@ -132,7 +132,8 @@ def test_cpu_float32_linear_weights_are_stored_transposed_and_hold_the_checkpoin
         down = model.layers[1].mlp.down_proj.weight
         assert down.t().is_contiguous() and torch.equal(down, state["model.layers.1.mlp.down_proj.weight"])
         head = model.lm_head.weight
-        assert head.t().is_contiguous() and torch.equal(head, state["model.embed_tokens.weight" if tie else "lm_head.weight"])
+        stored = state["model.embed_tokens.weight" if tie else "lm_head.weight"]
+        assert head.t().is_contiguous() and torch.equal(head, stored)
         assert model.embed_tokens.weight.is_contiguous() != tie
         assert (model.embed_tokens.weight is head) == tie
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
