@@ -133,11 +133,7 @@ def run_interleaved(configs: list[dict], common: dict, passes: int, first_core: 
     """Every config's engine in this process (vLLM's in-process engine core), taking turns prompt by
     prompt in a new random order each turn; a config's rate is its tokens over the CPU seconds of
     its own turns, so the box's drift falls on every config alike."""
-    threads = common["threads"]
-    os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                       "OMP_NUM_THREADS": str(threads),
-                       "VLLM_CPU_OMP_THREADS_BIND": str(first_core) if threads == 1 else
-                       f"{first_core}-{first_core + threads - 1}"})  # before vLLM is imported
+    os.environ.update(vllm_env(first_core, common["threads"]))  # before vLLM is imported
     engines = {cfg["label"]: (build_vllm if cfg["engine"] == "vllm" else build_flashtree)({**common, **cfg})
                for cfg in configs}
     turns = take_turns({label: (lambda ids, one=one: [one(ids)]) for label, (one, _, _) in engines.items()},
@@ -176,15 +172,19 @@ def tokenize_prompts(target: Path, suites: list[str], per_suite: int) -> list[li
     return prompts
 
 
+def vllm_env(first_core: int, threads: int) -> dict[str, str]:
+    """vLLM's threads bound to first_core.., its engine core in the calling process (by default a second
+    process, which on the benchmark's pinned cores competes with the first for them), a small KV cache."""
+    bind = str(first_core) if threads == 1 else f"{first_core}-{first_core + threads - 1}"
+    return {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": bind,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
 def run_one(cfg: dict, common: dict, python: str, threads: int, first_core: int = 0) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
     if cfg["engine"] == "vllm":
-        last = first_core + threads - 1
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(first_core) if threads == 1 else f"{first_core}-{last}"
-        # vLLM's engine core in the calling process: by default it is a second process, which on the
-        # benchmark's pinned cores competes with the first for them.
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env.update(vllm_env(first_core, threads))
     return run_job(python, __file__, {**common, **cfg, "first_core": first_core}, env, cfg["label"])
 
 
