@@ -44,10 +44,15 @@ class EngineConfig:
     prefix_cache: bool = True  # reuse the K/V of a prompt prefix some cache slot already holds
     tensor_parallel_size: int = 1  # ranks the target is split over (flashtree starts the N - 1 workers)
     use_selector: bool | None = None  # DFlash2 drafters: None = use the selector; False = marginal trees (build_tree)
-    # Capture a fixed method's rounds at start-up, one per (batch bucket, key bucket), and replay them
-    # (CUDA graphs on cuda; the same static buffers, eagerly, on cpu); budget="auto" runs eagerly.
+    # Prepare every shape at start-up, never inside a request. On cuda: capture a fixed method's
+    # rounds, one per (batch bucket, key bucket), and replay them as CUDA graphs (budget="auto" runs
+    # eagerly). On cpu: compile a dense target's decoder stack with inductor (one graph, dynamic in
+    # rows and window, attention opaque), which every method, auto included, runs.
     compile: bool = False
-    static_shapes: bool | None = None  # pad every forward to a shape bucket; always on with compile
+    # Captured rounds: None = with compile on cuda; True also on cpu, where the rounds replay eagerly
+    # through the same static buffers (the tests' stand-in for CUDA graphs).
+    capture: bool | None = None
+    static_shapes: bool | None = None  # pad every forward to a shape bucket; always on with captured rounds
     # method="mtp": the MTP head's recursive drafts per round (3, as vLLM and SGLang serve Qwen3.6) ...
     num_speculative_tokens: int = 3
     # ... and where the head is: None = the target's own mtp.* tensors (the demo target: its trained

@@ -1,4 +1,4 @@
-"""compile=True: a fixed method's rounds are captured at start-up and replayed through static
+"""capture=True (compile=True on CUDA): a fixed method's rounds are captured at start-up and replayed through static
 buffers (flashtree/engine/graphs.py). On the CPU the replay runs eagerly through the same buffers
 and overwrites its declared outputs at every replay, as a CUDA graph would; these tests hold the
 bookkeeping around it to the invariants: greedy output equals AR, a seeded request samples the
@@ -29,12 +29,12 @@ def pairs(tmp_path_factory):
     return {"dense": (str(dense), str(drafter)), "hybrid": (str(hybrid), str(drafter))}
 
 
-def generate(pair, method, budget, params, captured, max_batch=3):
+def generate(pair, method, budget, params, captured, max_batch=3, prompts=PROMPTS):
     target, drafter = pair
     llm = LLM(target, None if method == "ar" else drafter, method=method, budget=budget, device="cpu",
-              max_batch=max_batch, max_model_len=192, compile=captured)
+              max_batch=max_batch, max_model_len=192, capture=captured)
     assert (llm.engine.runner.graphs is not None) == captured
-    return llm.generate(PROMPTS, params)
+    return llm.generate(prompts, params)
 
 
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
@@ -60,18 +60,39 @@ def test_captured_seeded_sampling_matches_ar(pairs, kind, method, budget):
     assert [o.token_ids for o in generate(pairs[kind], method, budget, params, captured=True)] == ref
 
 
-def test_nothing_compiles_after_start_up(pairs):
-    """Prompts of several lengths, batches of 1..max_batch, a fixed method and budget="auto":
-    once the engines are built, generating triggers no dynamo compilation."""
+@pytest.fixture(scope="module")
+def compiled(pairs):
+    """compile=True on the CPU: the dense target's stack compiled at start-up, for a fixed tree and
+    for budget="auto" (whose cost tables then time the compiled forwards)."""
     target, drafter = pairs["dense"]
     engines = [LLM(target, drafter, method="ddtree", budget=b, device="cpu", max_batch=4, max_model_len=192,
                    compile=True) for b in (16, "auto")]
+    assert all(llm.engine.runner.target.compiled is not None for llm in engines)
+    return engines
+
+
+@pytest.mark.slow
+def test_nothing_compiles_after_start_up(pairs, compiled):
+    """Once the engines are built, prompts of several lengths and batches of 1..max_batch trigger
+    no dynamo compilation, and give uncompiled AR's tokens."""
     before = counters["stats"]["unique_graphs"]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    for llm in engines:
-        for n in range(1, 5):
-            llm.generate([[3] * (1 + 13 * i) for i in range(n)], params)
+    for n in range(1, 5):
+        prompts = [[3] * (1 + 13 * i) for i in range(n)]
+        ref = [o.token_ids for o in generate(pairs["dense"], "ar", 1, params, False, max_batch=4, prompts=prompts)]
+        for llm in compiled:
+            assert [o.token_ids for o in llm.generate(prompts, params)] == ref
     assert counters["stats"]["unique_graphs"] == before
+
+
+@pytest.mark.slow
+def test_compiled_stack_samples_as_ar(pairs, compiled):
+    """Seeded top-k/top-p sampling through the compiled stack: every request gets the tokens
+    uncompiled AR gives it."""
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=8, max_tokens=32, ignore_eos=True, seed=7)
+    ref = [o.token_ids for o in generate(pairs["dense"], "ar", 1, params, False, max_batch=4)]
+    for llm in compiled:
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == ref
 
 
 def test_a_replay_overwrites_its_outputs():
@@ -87,7 +108,7 @@ def test_a_replay_overwrites_its_outputs():
 
 def test_rounds_are_captured_for_every_batch_and_key_bucket(pairs):
     target, drafter = pairs["dense"]
-    llm = LLM(target, drafter, method="dflash", device="cpu", max_batch=3, max_model_len=192, compile=True)
+    llm = LLM(target, drafter, method="dflash", device="cpu", max_batch=3, max_model_len=192, capture=True)
     graphs = llm.engine.runner.graphs
     keys = sorted({k for _, k in graphs.rounds})
     assert sorted({b for b, _ in graphs.rounds}) == [1, 2, 4]

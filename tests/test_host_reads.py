@@ -114,7 +114,7 @@ def _has_bool_index(index) -> bool:
 @pytest.mark.parametrize("method,budget", [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", "auto"), ("mtp", 1)])
 def test_a_round_reads_the_device_once(pairs, monkeypatch, kind, method, budget, shapes):
     """static: shapes padded to buckets (3 requests -> 4 rows, the 4th on the dummy slot);
-    captured: compile=True, rounds replayed from start-up captures (budget="auto" runs eagerly).
+    captured: capture=True, rounds replayed from start-up captures (budget="auto" runs eagerly).
     wide: V = 300, past the sampler's first candidate level, on the sampler path an accelerator
     takes (the CPU's own path may read a few masks to settle top-p, where reads are free)."""
     if kind == "wide":
@@ -123,7 +123,7 @@ def test_a_round_reads_the_device_once(pairs, monkeypatch, kind, method, budget,
     engine = LLMEngine(EngineConfig(target=str(target), drafter=None if method in ("ar", "mtp") else str(drafter),
                                     method=method, budget=budget, max_budget=16, device="cpu", max_batch=3,
                                     max_model_len=96, static_shapes=shapes == "static",
-                                    compile=shapes == "captured", mtp_head=str(target / "head")))
+                                    capture=shapes == "captured", mtp_head=str(target / "head")))
     engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=30, ignore_eos=True))
     engine.add_request([7, 8], SamplingParams(temperature=0.8, top_k=10, top_p=0.9, seed=3, max_tokens=30,
                                               ignore_eos=True))
@@ -173,7 +173,7 @@ def test_cuda_round_has_no_implicit_sync(pairs, monkeypatch, method, budget, cap
     target, drafter = pairs["dense"]
     engine = LLMEngine(EngineConfig(target=str(target), drafter=None if method in ("ar", "mtp") else str(drafter),
                                     method=method, budget=budget, max_budget=16, device="cuda", dtype="float32",
-                                    max_batch=3, max_model_len=96, compile=captured, mtp_head=str(target / "head")))
+                                    max_batch=3, max_model_len=96, capture=captured, mtp_head=str(target / "head")))
     waits = []
     for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"),
                         (torch.cuda.Event, "synchronize")):

@@ -294,7 +294,7 @@ def test_static_shapes_pad_mtp_rounds():
 
 
 def check_captured(common: dict, prompts: list, k: int = 3) -> None:
-    """compile=True captures mtp's rounds (one per batch and key bucket) and replays them through
+    """capture=True captures mtp's rounds (one per batch and key bucket) and replays them through
     static buffers: greedy and seeded sampling still give `ar`'s tokens, and every round accepts
     what the uncaptured engine's accepts (the same drafts: the head's pending entries kept in the
     replayed commit), in float64, where padding cannot flip a draft."""
@@ -302,7 +302,7 @@ def check_captured(common: dict, prompts: list, k: int = 3) -> None:
     sampled = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24, ignore_eos=True, seed=3)
     ar = LLM(method="ar", **common)
     eager = LLM(method="mtp", num_speculative_tokens=k, **common)
-    llm = LLM(method="mtp", num_speculative_tokens=k, compile=True, **common)
+    llm = LLM(method="mtp", num_speculative_tokens=k, capture=True, **common)
     assert llm.engine.runner.graphs is not None and eager.engine.runner.graphs is None
     for params in (greedy, sampled):
         outs = llm.generate(prompts, params)

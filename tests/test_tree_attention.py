@@ -131,7 +131,7 @@ PROMPTS = [[1, 2, 3], [4], list(range(1, 15)) * 2, [7, 7, 7, 7, 7, 7, 9]]
 def generate(pair, method: str, budget: int, captured: bool = False) -> list[list[int]]:
     target, drafter = pair
     llm = LLM(target, None if method == "ar" else drafter, method=method, budget=budget, device="cpu",
-              max_batch=3, max_model_len=192, compile=captured)
+              max_batch=3, max_model_len=192, capture=captured)
     return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))]
 
 

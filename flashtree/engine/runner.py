@@ -34,6 +34,7 @@ from flashtree.engine.sequence import Request, TokenLogprob
 from flashtree.engine.shapes import batch_bucket, budget_bucket, key_bucket, prefill_chunks
 from flashtree.engine.staging import Staging
 from flashtree.errors import FlashtreeError
+from flashtree.models.compiled import compile_stack
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
 from flashtree.models.dflash2 import DFlash2Drafter
@@ -123,7 +124,8 @@ class ModelRunner:
         self.drafter = drafter
         self.device = device
         self.method = config.method
-        self.static = config.compile or bool(config.static_shapes)  # captured rounds need static shapes
+        captured = config.capture if config.capture is not None else config.compile and device.type == "cuda"
+        self.static = captured or bool(config.static_shapes)  # captured rounds need static shapes
         self.block_size = drafter.block_size if drafter is not None else 1
         if mtp_head is not None:
             self.block_size = config.num_speculative_tokens + 1
@@ -138,6 +140,10 @@ class ModelRunner:
         self.draft_cache = drafter.new_cache(slots, cache_len) if drafter is not None else None
         if device.type != "cpu" and self.method == "ddtree":
             check_kernels(device, self.cache.dtype)  # before any capture: every tree verify reads its answer
+        self.compile_seconds = 0.0
+        if config.compile and device.type == "cpu" and target.compilable and config.tensor_parallel_size == 1:
+            # Before auto's cost tables: they time what requests will run.
+            self.compile_seconds = compile_stack(target, self.feature_layers, self.cache, self.max_rows, progress)
         self.mtp = None
         if mtp_head is not None:
             self.mtp = MTPDraft(mtp_head, target, config.num_speculative_tokens, slots, cache_len, device)
@@ -169,15 +175,15 @@ class ModelRunner:
         self.prompt_logits: dict[int, Tensor] = {}  # slot -> its complete prompt's last logits, until start_samples
         self.saved_states: dict[int, RecurrentState] = {}  # prefix reuse on a hybrid target: key -> state
         self.graphs: RoundGraphs | None = None
-        if config.compile and self.policy is None and not isinstance(self.draft_cache, SlidingDraftCache):
+        if captured and self.policy is None and not isinstance(self.draft_cache, SlidingDraftCache):
             keys = sorted({key_bucket(n, self.cache.max_len) for n in range(1, self.cache.max_len + 1)})
             buckets = [b for b in (1 << i for i in range(self.max_rows.bit_length())) if b <= self.max_rows]
             self.graphs = RoundGraphs(self, buckets, keys, dummy=config.max_batch, progress=progress)
 
     @property
     def capture_seconds(self) -> float:
-        """Seconds start-up spent capturing the rounds (0 without compile)."""
-        return self.graphs.seconds if self.graphs is not None else 0.0
+        """Seconds start-up spent compiling the target and capturing the rounds (0 without compile)."""
+        return self.compile_seconds + (self.graphs.seconds if self.graphs is not None else 0.0)
 
     def round_budget(self, n: int) -> int:
         """Per-request tree budget for a batch of n: capped so all trees fit max_round_tokens

@@ -41,6 +41,8 @@ class Qwen3MoeArgs(TransformerArgs):
 
 
 class Qwen3Moe(Transformer):
+    compilable = False  # the experts' routing gives data-dependent shapes
+
     def __init__(self, args: Qwen3MoeArgs) -> None:
         super().__init__(args)
         for i, block in enumerate(self.layers):

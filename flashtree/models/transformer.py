@@ -15,8 +15,8 @@ from torch import Tensor, nn
 
 from flashtree.cache import KVCache
 from flashtree.models.context import ForwardContext
-from flashtree.models.layers import (MLP, MergedLinear, RMSNorm, Rope, Rotary, apply_rotary, rope_parameters,
-                                     window_attention)
+from flashtree.models.compiled import CompiledStack, attend
+from flashtree.models.layers import MLP, MergedLinear, RMSNorm, Rope, Rotary, apply_rotary, rope_parameters
 
 
 @dataclass
@@ -83,8 +83,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :, :h]), self.k_norm(qk[:, :, h:])], dim=2)
         q, k = apply_rotary(qk, rope).split([h, hkv], dim=2)  # one rotation for q and k
-        out = window_attention(q, k, v, ctx, self.layer, self.head_dim**-0.5)
-        return self.o_proj(out.transpose(1, 2).reshape(r, n, -1))
+        return self.o_proj(attend(q, k, v, ctx, self.layer, self.head_dim**-0.5))
 
 
 class Block(nn.Module):
@@ -112,6 +111,10 @@ class DecoderLM(nn.Module):
     Subclasses build `layers`; every block gets the forward's ForwardContext.
     """
 
+    # Whether compile_stack may compile the stack: every layer's attention goes through `attend`,
+    # and nothing else in it reads the context or has data-dependent shapes.
+    compilable = False
+
     def __init__(self, args, layers: nn.ModuleList, norm: nn.Module | None = None) -> None:
         super().__init__()
         self.args = args
@@ -122,6 +125,7 @@ class DecoderLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(args.head_dim, args.rope)
+        self.compiled: CompiledStack | None = None  # set by compile_stack (flashtree.models.compiled)
 
     @property
     def vocab_size(self) -> int:
@@ -139,22 +143,33 @@ class DecoderLM(nn.Module):
         concatenated in that order. The forward writes the window's K/V (and recurrent layers
         their ctx.windows records); `cache.commit(ctx, ...)` decides what of it to keep.
         """
-        x = self.embed_tokens(tokens)
-        rope = self.rotary(ctx.positions, x.dtype)
-        features: list[Tensor | None] = [None] * len(feature_layers)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, ctx)
-            for j, k in enumerate(feature_layers):
-                if k == i:  # one by one, not `i in feature_layers`: dynamo mis-traces that on symbolic ints
-                    features[j] = x
+        if self.compiled is not None and self.compiled.covers(feature_layers):
+            x, features = self.compiled(tokens, ctx, feature_layers)
+        else:
+            x, features = self.blocks(tokens, ctx, feature_layers)
         if last_only:
             x = x[:, -1:]
         logits = self.lm_head(self.norm(x))
         feats = torch.cat(features, dim=-1) if feature_layers else None
         return ForwardOutput(logits, feats)
 
+    def blocks(self, tokens: Tensor, ctx: ForwardContext, feature_layers: tuple[int, ...]
+               ) -> tuple[Tensor, list[Tensor]]:
+        """The embeddings and the stack: the last block's output and the features, in order."""
+        x = self.embed_tokens(tokens)
+        rope = self.rotary(ctx.positions, x.dtype)
+        features: list[Tensor] = [x] * len(feature_layers)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, ctx)
+            for j, k in enumerate(feature_layers):
+                if k == i:  # one by one, not `i in feature_layers`: dynamo mis-traces that on symbolic ints
+                    features[j] = x
+        return x, features
+
 
 class Transformer(DecoderLM):
+    compilable = True
+
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__(args, nn.ModuleList(Block(args, i) for i in range(args.num_layers)))
 
