@@ -39,10 +39,11 @@ DEMO = ROOT / "flashtree" / "assets" / "demo"
 def parse_config(text: str) -> dict:
     """'vllm:ar', 'vllm:dflash', 'flashtree:ddtree:16', 'flashtree:ddtree:auto', and a flashtree
     config with ':compile' at the end runs with compile=True ('flashtree:dflash:compile').
-    'flashtree:default' is LLM()'s defaults: the shipped DFlash2 drafter, ddtree, budget auto."""
-    if text == "flashtree:default":
-        return {"engine": "flashtree", "method": "ddtree", "budget": "auto", "label": text, "compile": False,
-                "drafter": str(DEMO / "drafter")}
+    'flashtree:default' is LLM()'s defaults: the shipped DFlash2 drafter, ddtree, budget auto
+    ('flashtree:default:compile' with compile=True)."""
+    if text in ("flashtree:default", "flashtree:default:compile"):
+        return {"engine": "flashtree", "method": "ddtree", "budget": "auto", "label": text,
+                "compile": text.endswith(":compile"), "drafter": str(DEMO / "drafter")}
     parts = text.split(":")
     compiled = parts[-1] == "compile"
     if compiled:

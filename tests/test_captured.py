@@ -95,6 +95,20 @@ def test_compiled_stack_samples_as_ar(pairs, compiled):
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == ref
 
 
+@pytest.mark.slow
+def test_a_second_model_reuses_the_compiled_graph_with_its_own_weights(pairs, compiled, tmp_path):
+    """A second target of the same shape finds the first one's graph (no compile at start-up) and
+    runs it over its own weights: its tokens are its own uncompiled AR's, not the first target's."""
+    other = (str(make_target(tmp_path / "other", vocab=VOCAB, logit_scale=3.0, seed=1)), pairs["dense"][1])
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    before = counters["stats"]["unique_graphs"]
+    llm = LLM(*other, method="ddtree", budget=16, device="cpu", max_batch=4, max_model_len=192, compile=True)
+    assert counters["stats"]["unique_graphs"] == before and llm.engine.runner.target.compiled is not None
+    ref = [o.token_ids for o in generate(other, "ar", 1, params, False, max_batch=4)]
+    assert ref != [o.token_ids for o in generate(pairs["dense"], "ar", 1, params, False, max_batch=4)]
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == ref
+
+
 def test_a_replay_overwrites_its_outputs():
     """The CPU stand-in keeps a CUDA graph's aliasing: a result read after the next replay holds
     the next replay's values, so code that keeps one past it fails here as it would on a GPU."""

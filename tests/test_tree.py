@@ -16,6 +16,7 @@ from flashtree.tree import (
     build_tree_reference,
     chain_spec,
 )
+from flashtree.tree.mix import root_only
 from flashtree.tree.walk import _next_node
 
 
@@ -361,6 +362,18 @@ def test_accept_walk_randomized_against_oracle_and_old_walk():
                 assert res.path[r].tolist() == path + [-1] * (width - n)
                 emitted = [int(spec.tokens[r, i]) for i in path[1:]] + [bonus]
                 assert res.tokens[r].tolist() == emitted + [-1] * (width - n)
+
+
+def test_a_lone_root_walks_as_the_oracle():
+    """An AR step's one-node spec takes the walk's shortcut: the root accepted, the pick at it
+    emitted, with the oracle's path and tokens (a chain of one and a root-only tree)."""
+    picks = torch.tensor([[5], [2], [-1]])
+    for spec in (chain_spec(torch.tensor([[1], [4], [0]])), root_only(torch.tensor([1, 4, 0]), 1)):
+        res = accept_walk(spec, picks)
+        for r in range(3):
+            path, bonus = walk_oracle(spec, picks, r)
+            assert res.path[r].tolist() == path and res.tokens[r].tolist() == [bonus]
+            assert int(res.num_nodes[r]) == 1
 
 
 def test_max_budget_and_prune_keywords():

@@ -60,7 +60,7 @@ class CompiledStack:
         self.feature_layers = tuple(feature_layers)
         # Each engine adds up to four entries for the same code; dynamo's default of 8 would send
         # a process's third engine back to eager.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.fn = torch.compile(model.blocks, dynamic=True, fullgraph=True)
         self.seconds = 0.0
 

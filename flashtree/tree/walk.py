@@ -41,7 +41,9 @@ def accept_walk(spec: TreeSpec, picks: Tensor) -> WalkResult:
     either). Pointer-chases `depth_bound` steps for all rows at once; the caller syncs once on
     num_nodes.
     """
-    R, _ = spec.tokens.shape
+    R, n_nodes = spec.tokens.shape
+    if n_nodes == 1 and spec.depth_bound == 0:  # a lone root (an AR step): accepted, its pick emitted
+        return WalkResult(path=picks.new_zeros(R, 1), num_nodes=picks.new_ones(R), tokens=picks[:, :1])
     nxt = _next_node(spec, picks)
     node = torch.zeros(R, dtype=torch.int64, device=picks.device)
     path = [node]
