@@ -62,12 +62,13 @@ def test_captured_seeded_sampling_matches_ar(pairs, kind, method, budget):
 
 @pytest.fixture(scope="module")
 def compiled(pairs):
-    """compile=True on the CPU: the dense target's stack compiled at start-up, for a fixed tree and
-    for budget="auto" (whose cost tables then time the compiled forwards)."""
+    """compile=True on the CPU: the dense target's stack and the drafter's layers compiled at
+    start-up, for a fixed tree and for budget="auto" (whose cost tables then time the compiled
+    forwards)."""
     target, drafter = pairs["dense"]
     engines = [LLM(target, drafter, method="ddtree", budget=b, device="cpu", max_batch=4, max_model_len=192,
                    compile=True) for b in (16, "auto")]
-    assert all(llm.engine.runner.target.compiled is not None for llm in engines)
+    assert all(llm.engine.runner.target.compiled and llm.engine.runner.drafter.compiled for llm in engines)
     return engines
 
 

@@ -292,6 +292,22 @@ def test_greedy_dflash2_matches_ar(lossless_pair, method, budget, selector):
     assert [o.token_ids for o in outs] == ref
 
 
+@pytest.mark.slow
+def test_compiled_dflash2_drafter_matches_ar(lossless_pair):
+    """compile=True on the CPU compiles the target's stack and the DFlash2 drafter's layers (its
+    block convolutions included): greedy Markov trees under budget="auto" still emit AR's tokens,
+    as the eager drafter's do."""
+    from test_lossless import PROMPTS, generate
+
+    target, drafter = lossless_pair
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = [generate(target, None, "ar", 1, [p], params, max_batch=1)[0].token_ids for p in PROMPTS]
+    llm = LLM(str(target), str(drafter), method="ddtree", device="cpu", dtype="float32", max_batch=3,
+              max_model_len=256, compile=True)
+    assert llm.engine.runner.drafter.compiled is not None
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == ref
+
+
 def test_selector_flag_checks_the_drafter(tmp_path, lossless_pair):
     """use_selector=True with a DFlash-1 drafter is a clear error; --no-selector reaches the engine."""
     from flashtree.cli import build_parser, engine_kwargs

@@ -34,7 +34,7 @@ from flashtree.engine.sequence import Request, TokenLogprob
 from flashtree.engine.shapes import batch_bucket, budget_bucket, key_bucket, prefill_chunks
 from flashtree.engine.staging import Staging
 from flashtree.errors import FlashtreeError
-from flashtree.models.compiled import compile_stack
+from flashtree.models.compiled import compile_drafter, compile_stack
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
 from flashtree.models.dflash2 import DFlash2Drafter
@@ -144,6 +144,8 @@ class ModelRunner:
         if config.compile and device.type == "cpu" and target.compilable and config.tensor_parallel_size == 1:
             # Before auto's cost tables: they time what requests will run.
             self.compile_seconds = compile_stack(target, self.feature_layers, self.cache, self.max_rows, progress)
+            if drafter is not None:
+                self.compile_seconds += compile_drafter(drafter, self.draft_cache, self.max_rows, progress)
         self.mtp = None
         if mtp_head is not None:
             self.mtp = MTPDraft(mtp_head, target, config.num_speculative_tokens, slots, cache_len, device)

@@ -17,8 +17,9 @@ from torch import Tensor, nn
 
 from flashtree.cache import KVCache, SlidingDraftCache
 from flashtree.errors import FlashtreeError
+from flashtree.models.compiled import CompiledDrafter, draft_attend
 from flashtree.models.context import ForwardContext
-from flashtree.models.layers import MLP, RMSNorm, Rope, Rotary, apply_rotary, attention, rope_parameters
+from flashtree.models.layers import MLP, RMSNorm, Rope, Rotary, apply_rotary, rope_parameters
 from flashtree.models.mask import additive, block_mask
 from flashtree.models.transformer import Attention
 
@@ -114,15 +115,12 @@ class DraftAttention(Attention):
         k, v = self.qkv_proj.project(x, "k_proj", "v_proj").view(r, n, 2 * self.num_kv_heads, self.head_dim).chunk(2, 2)
         return apply_rotary(self.k_norm(k), rope), v
 
-    def forward(self, x: Tensor, rope: Rope, ctx: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, ctx: ForwardContext, mask: Tensor) -> Tensor:
         r, n, _ = x.shape
         h, hkv = self.num_heads, self.num_kv_heads
         q, k, v = self.qkv_proj.fused(x).view(r, n, h + 2 * hkv, self.head_dim).split([h, hkv, hkv], dim=2)
         q, k = apply_rotary(torch.cat([self.q_norm(q), self.k_norm(k)], dim=2), rope).split([h, hkv], dim=2)
-        keys = torch.cat([ctx[0], k.transpose(1, 2)], dim=2)
-        values = torch.cat([ctx[1], v.transpose(1, 2)], dim=2)
-        out = attention(q.transpose(1, 2), keys, values, mask, self.head_dim**-0.5)
-        return self.o_proj(out.transpose(1, 2).reshape(r, n, -1))
+        return self.o_proj(draft_attend(q, k, v, ctx, self.layer, mask, self.head_dim**-0.5))
 
 
 class DraftBlock(nn.Module):
@@ -133,7 +131,7 @@ class DraftBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: Tensor, rope: Rope, ctx: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, ctx: ForwardContext, mask: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, ctx, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -147,6 +145,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftBlock(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary = Rotary(args.head_dim, args.rope)
+        self.compiled: CompiledDrafter | None = None  # set by compile_drafter (flashtree.models.compiled)
 
     @property
     def block_size(self) -> int:
@@ -197,18 +196,30 @@ class DFlashDrafter(nn.Module):
     def forward(self, noise: Tensor, ctx: ForwardContext) -> Tensor:
         """Hidden states [R, L, d] of the block embeddings `noise` after each slot's context
         (ctx: ForwardContext.block of L rows over the drafter's cache)."""
-        rope = self.rotary(ctx.positions, noise.dtype)
-        keys = torch.arange(ctx.key_len, device=noise.device)
+        masks = self.masks(ctx, noise.dtype)
+        if self.compiled is not None:
+            return self.compiled(noise, ctx, masks)
+        return self.stack(noise, ctx, masks)
+
+    def masks(self, ctx: ForwardContext, dtype: torch.dtype) -> list[Tensor]:
+        """Each layer's additive block mask, built once per (ring, window) kind of layer."""
+        keys = torch.arange(ctx.key_len, device=ctx.positions.device)
         ring = ctx.cache if isinstance(ctx.cache, SlidingDraftCache) else None
-        masks: dict[tuple[bool, int | None], Tensor] = {}
-        x = noise
-        for i, layer in enumerate(self.layers):
+        built: dict[tuple[bool, int | None], Tensor] = {}
+        for i in range(self.args.num_layers):
             window = self.args.window(i)
             in_ring = ring is not None and ring.in_ring(i)
-            if (in_ring, window) not in masks:
+            if (in_ring, window) not in built:
                 held = ring.ring_positions(ctx) if in_ring else keys
-                masks[in_ring, window] = additive(block_mask(held, ctx.starts, ctx.positions, window), x.dtype)
-            x = layer(x, rope, ctx.cache.read(i, ctx), masks[in_ring, window])
+                built[in_ring, window] = additive(block_mask(held, ctx.starts, ctx.positions, window), dtype)
+        return [built[ring is not None and ring.in_ring(i), self.args.window(i)] for i in range(self.args.num_layers)]
+
+    def stack(self, noise: Tensor, ctx: ForwardContext, masks: list[Tensor]) -> Tensor:
+        """The layers and the final norm over the block (what compile_drafter compiles)."""
+        rope = self.rotary(ctx.positions, noise.dtype)
+        x = noise
+        for layer, mask in zip(self.layers, masks):
+            x = layer(x, rope, ctx, mask)
         return self.norm(x)
 
 

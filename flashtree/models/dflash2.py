@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flashtree.errors import FlashtreeError
+from flashtree.models.context import ForwardContext
 from flashtree.models.dflash import DFlashArgs, DFlashDrafter, DraftBlock, drafter_config
 from flashtree.models.layers import Rope
 
@@ -145,7 +146,7 @@ class DFlash2Block(DraftBlock):
         d = self.mlp_conv.kernels(h)
         return x + self.mlp_conv(self.mlp(self.mlp_conv(h, d, 0)), d, 1)
 
-    def forward(self, x: Tensor, rope: Rope, ctx: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, ctx: ForwardContext, mask: Tensor) -> Tensor:
         return self.run(x, lambda h: self.self_attn(h, rope, ctx, mask))
 
 
