@@ -2,7 +2,7 @@
 
 It needs torch, safetensors, transformers and tokenizers (all on the lent machine's image) and
 nothing from the server side (no fastapi/uvicorn). Every captured shape is captured at engine
-start-up (compile=True) and each engine runs one warm-up request before it is timed; stage timing
+start-up (capture=True, what compile=True turns on on CUDA) and each engine runs one warm-up request before it is timed; stage timing
 stays off, so no round waits for the device except at its one read. It checks and times:
 
 1. greedy ar == dflash == ddtree (B = 16, 64) == auto == mtp (k = 3) on CUDA, eager and captured
@@ -146,7 +146,7 @@ def identical_checks(deadline: Deadline, report: dict, workdir: Path) -> None:
                 continue
             try:
                 t0 = time.perf_counter()
-                eng = engine_for(base, method=method, compile=captured, **extra, **common)
+                eng = engine_for(base, method=method, capture=captured, **extra, **common)
                 run_engine(eng, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))  # a first request
                 warm = time.perf_counter() - t0
                 out, wall = run_engine(eng, prompts, params)
@@ -368,7 +368,7 @@ def round_rows(target: Path, drafter: Path, plan: list[tuple], deadline: Deadlin
             t0 = time.perf_counter()
             eng = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), method=method, budget=budget,
                                          device=DEVICE, dtype=dtype, max_batch=batch, max_model_len=2048,
-                                         compile=captured), share_weights=base)
+                                         capture=captured), share_weights=base)
             run_engine(eng, prompts[:batch], SamplingParams(max_tokens=4, ignore_eos=True))  # a first request
             warm = time.perf_counter() - t0
             out, wall = run_engine(eng, prompts[:batch], SamplingParams(max_tokens=max_tokens, ignore_eos=True))

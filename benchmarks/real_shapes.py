@@ -5,7 +5,7 @@ The demo pair is 5.7M parameters, so fixed per-round costs (tree build, commit, 
 large there; this measures the same round where the forwards have real weight. Random weights
 accept almost nothing, but every round still builds and verifies its full tree, which is what
 is timed: milliseconds per round, and per round as a multiple of the AR step, at B in {16, 64,
-256} and batch in {1, 8}, eager vs captured (compile=True), float32 and bfloat16.
+256} and batch in {1, 8}, eager vs captured (capture=True), float32 and bfloat16.
 
     OMP_NUM_THREADS=1 python benchmarks/real_shapes.py --models 0.6b --batches 1 --budgets 16 64
     python benchmarks/real_shapes.py --models 0.6b 1.7b --compile both --dtypes float32 bfloat16   # the full grid
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1])
     ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     ap.add_argument("--compile", choices=["off", "on", "both"], default="off",
-                    help="captured rounds (compile=True), eager, or both")
+                    help="captured rounds (capture=True), eager, or both")
     ap.add_argument("--drafter-layers", type=int, default=1, help="z-lab ships 1- to 5-layer drafters")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-tokens", type=int, default=16)

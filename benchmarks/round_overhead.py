@@ -69,7 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--compile", action="store_true",
-                    help="also run engines with captured rounds (compile=True), interleaved with eager")
+                    help="also run engines with captured rounds (capture=True), interleaved with eager")
     ap.add_argument("--passes", type=int, default=3, help="timed passes per engine (after one warm-up pass)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -107,7 +107,7 @@ def main() -> None:
         for method, budget in [("dflash", 1)] + [("ddtree", b) for b in args.budgets]:
             engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), method=method, budget=budget,
                                             device="cpu", dtype="float32", max_batch=1, max_model_len=1024,
-                                            compile=compiled))
+                                            capture=compiled))
             t0 = time.perf_counter()
             run_once(engine, prompt, args.max_tokens)  # warm-up: a user's first request
             engines[compiled, method, budget] = (engine, time.perf_counter() - t0)
