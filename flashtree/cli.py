@@ -161,7 +161,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="float32, bfloat16, float16, float64 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--compile", action="store_true",
                    help="prepare every shape at start-up: on cuda, capture a fixed method's rounds as CUDA graphs; "
-                        "on cpu, compile a dense target's forward with inductor (every method, auto included)")
+                        "on cpu, compile a dense target's and the DFlash drafter's layers with inductor (every method, "
+                        "auto included)")
     p.add_argument("--tensor-parallel-size", "--tp", type=positive_int, default=1,
                    help="split the target over N ranks: N GPUs from --device on, or N CPU processes (default 1)")
     p.add_argument("--threads", type=positive_int,

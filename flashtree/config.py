@@ -46,8 +46,9 @@ class EngineConfig:
     use_selector: bool | None = None  # DFlash2 drafters: None = use the selector; False = marginal trees (build_tree)
     # Prepare every shape at start-up, never inside a request. On cuda: capture a fixed method's
     # rounds, one per (batch bucket, key bucket), and replay them as CUDA graphs (budget="auto" runs
-    # eagerly). On cpu: compile a dense target's decoder stack with inductor (one graph, dynamic in
-    # rows and window, attention opaque), which every method, auto included, runs.
+    # eagerly). On cpu: compile a dense target's decoder stack and the DFlash drafter's layers with
+    # inductor (one graph each, dynamic in rows and window, attention opaque), which every method,
+    # auto included, runs.
     compile: bool = False
     # Captured rounds: None = with compile on cuda; True also on cpu, where the rounds replay eagerly
     # through the same static buffers (the tests' stand-in for CUDA graphs).

@@ -171,3 +171,25 @@ def test_engine_with_sliding_drafter_is_lossless_and_matches_unbounded(tmp_path,
     for method, budget in (("dflash", 8), ("ddtree", 16)):
         outs = LLM(method=method, budget=budget, **common).generate(prompts, params)
         assert [o.stats.accept_lengths for o in outs] == runs[method], method
+
+
+@pytest.mark.slow
+def test_compiled_sliding_drafter_drafts_what_the_eager_one_drafts(tmp_path):
+    """compile=True on the CPU compiles the sliding drafter's layers (its ring read inside the opaque
+    attention op): every round accepts what the eager engine's round accepts, AR's tokens."""
+    from flashtree import LLM, SamplingParams
+
+    target = str(make_target(tmp_path / "t", layers=4, logit_scale=4.0))
+    drafter = str(make_drafter(tmp_path / "d", target_layers=4, block_size=BLOCK,
+                               layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW))
+    prompts = [[3, 14, 15, 9, 2, 6, 5, 35, 8, 9, 7, 9, 3, 2, 38, 4, 6], [26, 43, 3, 8], [10, 11]]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    common = dict(target=target, drafter=drafter, method="ddtree", budget=16, dtype="float32", device="cpu",
+                  max_batch=3, max_model_len=96)
+    eager = LLM(**common).generate(prompts, params)
+    llm = LLM(compile=True, **common)
+    assert llm.engine.runner.drafter.compiled is not None
+    assert isinstance(llm.engine.runner.draft_cache, SlidingDraftCache)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    assert [o.stats.accept_lengths for o in outs] == [o.stats.accept_lengths for o in eager]

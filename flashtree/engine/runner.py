@@ -141,9 +141,10 @@ class ModelRunner:
         if device.type != "cpu" and self.method == "ddtree":
             check_kernels(device, self.cache.dtype)  # before any capture: every tree verify reads its answer
         self.compile_seconds = 0.0
-        if config.compile and device.type == "cpu" and target.compilable and config.tensor_parallel_size == 1:
+        if config.compile and device.type == "cpu" and config.tensor_parallel_size == 1:
             # Before auto's cost tables: they time what requests will run.
-            self.compile_seconds = compile_stack(target, self.feature_layers, self.cache, self.max_rows, progress)
+            if target.compilable:
+                self.compile_seconds = compile_stack(target, self.feature_layers, self.cache, self.max_rows, progress)
             if drafter is not None:
                 self.compile_seconds += compile_drafter(drafter, self.draft_cache, self.max_rows, progress)
         self.mtp = None

@@ -6,8 +6,8 @@ are some forty small ops. Inductor fuses them into a few C++ kernels, as vLLM's 
 Attention (the cache write and read, SDPA or the tree merge) stays one opaque custom op that reads
 the forward's `ForwardContext` from `running`, so key lengths, masks and trees never enter a graph:
 one graph, dynamic in rows and window length, serves prefill chunks, AR steps and every tree.
-Dynamo specialises sizes 0 and 1, so `warm` compiles the (one row or more) x (one token or more)
-variants before the first request, and nothing compiles inside one.
+Dynamo specialises sizes 0 and 1, so start-up compiles the (one row or more) x (one token or
+more) variants before the first request, and nothing compiles inside one.
 """
 
 from __future__ import annotations
