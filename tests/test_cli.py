@@ -246,9 +246,10 @@ def test_busy_cores_warning(monkeypatch):
     assert busy_cores_warning(2) is None
 
 
+@pytest.mark.slow  # --compile on the CPU compiles the demo pair's layers at start-up
 def test_stats_leave_start_up_capture_out_and_say_so(capsys):
     """generate's tok/s is over the generate call alone, and with --compile the line names the
-    start-up capture seconds as not counted (they once went into tok/s: tok/s=0.8)."""
+    start-up compile and capture seconds as not counted (they once went into tok/s: tok/s=0.8)."""
     out = type("Out", (), {"token_ids": list(range(40)), "finish_reason": "length",
                            "stats": type("S", (), {"mean_accept_length": 2.0, "rounds": 20})()})()
     line = stats_line("ddtree", out, seconds=4.0, captured=46.0)
