@@ -110,6 +110,25 @@ def test_a_second_model_reuses_the_compiled_graph_with_its_own_weights(pairs, co
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == ref
 
 
+def test_a_failed_compile_is_one_clear_error(pairs, monkeypatch):
+    """Where inductor cannot compile (no C++ compiler, say), compile=True stops with one line that
+    names the cause and the way out."""
+    import flashtree.models.compiled as compiled_module
+    from flashtree.errors import FlashtreeError
+
+    def broken(fn):
+        def run(*args):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
+        return run
+
+    monkeypatch.setattr(compiled_module, "compiled", broken)
+    target, drafter = pairs["dense"]
+    with pytest.raises(FlashtreeError) as err:
+        LLM(target, drafter, method="dflash", device="cpu", max_batch=2, max_model_len=64, compile=True)
+    message = str(err.value)
+    assert "\n" not in message and "No working C++ compiler found" in message and "--compile" in message
+
+
 def test_a_replay_overwrites_its_outputs():
     """The CPU stand-in keeps a CUDA graph's aliasing: a result read after the next replay holds
     the next replay's values, so code that keeps one past it fails here as it would on a GPU."""

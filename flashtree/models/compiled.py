@@ -13,12 +13,14 @@ more) variants before the first request, and nothing compiles inside one.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from flashtree.errors import FlashtreeError
 from flashtree.models.layers import attention, window_attention
 
 if TYPE_CHECKING:
@@ -123,6 +125,17 @@ class CompiledDrafter:
         return run_with(self.fn, ctx, noise, ctx, masks)
 
 
+@contextmanager
+def compiling(what: str):
+    """Turn a failure to compile (no C++ compiler, an unsupported build) into one clear line."""
+    try:
+        yield
+    except Exception as e:  # inductor's errors span many types; the cause goes in the message
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise FlashtreeError(f"compile=True could not compile {what} with inductor ({type(e).__name__}: {cause}); "
+                             "run without compile (--compile), or install a C++ compiler (g++ or clang)") from e
+
+
 def warm_shapes(max_rows: int, tokens: tuple[int, ...]) -> list[tuple[int, int]]:
     """(rows, tokens) to compile: 2 and 1 rows (as max_rows allows) by each window size. Rows and
     tokens differ in each, or dynamo would assume them equal ("duck sizing")."""
@@ -143,12 +156,15 @@ def compile_stack(model: DecoderLM, feature_layers: tuple[int, ...], cache, max_
             return 0.0
         feature_layers = tuple(sorted({*model.compiled.feature_layers, *feature_layers}))
     t0 = time.perf_counter()
-    model.compiled = CompiledStack(model, feature_layers)
+    stack = CompiledStack(model, feature_layers)
     device = cache.device
-    for r, n in tqdm(warm_shapes(max_rows, (3, 1)), desc="compiling the target's forward", unit="shape",
-                     disable=not progress):
-        batch = SlotBatch.of(cache, list(range(r)))
-        model(torch.zeros(r, n, dtype=torch.long, device=device), ForwardContext.prefill(cache, batch, n), feature_layers)
+    with compiling("the target's layers"):
+        for r, n in tqdm(warm_shapes(max_rows, (3, 1)), desc="compiling the target's forward", unit="shape",
+                         disable=not progress):
+            batch = SlotBatch.of(cache, list(range(r)))
+            stack(torch.zeros(r, n, dtype=torch.long, device=device), ForwardContext.prefill(cache, batch, n),
+                  feature_layers)
+    model.compiled = stack
     return time.perf_counter() - t0
 
 
@@ -162,11 +178,13 @@ def compile_drafter(drafter: DFlashDrafter, cache, max_rows: int, progress: bool
     if drafter.compiled is not None:
         return 0.0
     t0 = time.perf_counter()
-    drafter.compiled = CompiledDrafter(drafter)
+    stack = CompiledDrafter(drafter)
     block, d = drafter.block_size, drafter.args.hidden_size
     p = drafter.norm.weight
-    for r, n in tqdm(warm_shapes(max_rows, (block,)), desc="compiling the drafter's forward", unit="shape",
-                     disable=not progress):
-        batch = SlotBatch.of(cache, list(range(r)))
-        drafter(torch.zeros(r, n, d, dtype=p.dtype, device=p.device), ForwardContext.block(cache, batch, n, n + 1))
+    with compiling("the drafter's layers"):
+        for r, n in tqdm(warm_shapes(max_rows, (block,)), desc="compiling the drafter's forward", unit="shape",
+                         disable=not progress):
+            ctx = ForwardContext.block(cache, SlotBatch.of(cache, list(range(r))), n, n + 1)
+            stack(torch.zeros(r, n, d, dtype=p.dtype, device=p.device), ctx, drafter.masks(ctx, p.dtype))
+    drafter.compiled = stack
     return time.perf_counter() - t0
