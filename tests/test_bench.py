@@ -337,3 +337,17 @@ def test_interleaved_turns_last_a_slice_and_a_few_steps():
         mine = [n for k, n in runs if k == name]
         assert len(mine) >= 3  # the slice ends turns: no stream runs in one go
         assert all(n >= 4 for n in mine[:-1])  # only a stream's last turn may be shorter
+
+
+def test_bench_passes_compile_to_every_cell_engine(capsys):
+    """`flashtree bench --compile` gives every cell's engine compile=True (it was once parsed and
+    dropped); the policy grid, which runs eagerly, refuses it in one line."""
+    from flashtree.bench.cli import spec_from_args
+    from flashtree.bench.grid import _engine_config
+    from flashtree.cli import build_parser
+
+    spec = spec_from_args(build_parser().parse_args(["bench", "--quick", "--compile"]))
+    assert spec.compile and _engine_config(spec, "ddtree", 16, None).compile
+    assert not _engine_config(spec_from_args(build_parser().parse_args(["bench", "--quick"])), "ar", 1, None).compile
+    assert main(["bench", "--policy-grid", "--compile"]) != 0
+    assert "drop --compile" in capsys.readouterr().err

@@ -75,7 +75,7 @@ def spec_from_args(args: argparse.Namespace):
 
     preset = QUICK if args.quick else FULL
     chosen = {k: getattr(args, k) for k in preset if getattr(args, k, None) is not None}
-    kw = {k: v for k, v in engine_kwargs(args).items() if k not in ("method", "budget", "compile")}
+    kw = {k: v for k, v in engine_kwargs(args).items() if k not in ("method", "budget")}
     return BenchSpec(**kw, **{**preset, **chosen}, methods=args.methods or ["ar", "dflash", "ddtree"],
                      warmup=args.warmup, seed=args.seed, ignore_eos=args.ignore_eos,
                      cost_context=args.cost_context, stage_sync=args.stage_sync)
@@ -89,6 +89,8 @@ def policy_grid(args: argparse.Namespace) -> None:
         raise FlashtreeError("--policy-grid always runs auto; give --budgets as the fixed sizes to compare with")
     if args.methods:
         raise FlashtreeError("--policy-grid runs every method; drop --methods")
+    if args.compile:
+        raise FlashtreeError("--policy-grid runs its engines eagerly; drop --compile")
     defaults = pg.PolicyGridSpec()
     spec = pg.PolicyGridSpec(
         target=args.target, drafter=args.drafter, device=args.device, dtype=args.dtype,
