@@ -2,8 +2,9 @@
 
 It needs torch, safetensors, transformers and tokenizers (all on the lent machine's image) and
 nothing from the server side (no fastapi/uvicorn). Every captured shape is captured at engine
-start-up (capture=True, what compile=True turns on on CUDA) and each engine runs one warm-up request before it is timed; stage timing
-stays off, so no round waits for the device except at its one read. It checks and times:
+start-up (capture=True, what compile=True turns on on CUDA) and each engine runs one warm-up
+request before it is timed; stage timing stays off, so no round waits for the device except at its
+one read. It checks and times:
 
 1. greedy ar == dflash == ddtree (B = 16, 64) == auto == mtp (k = 3) on CUDA, eager and captured
    (CUDA graphs), on the embedded demo pair (float32, its trained MTP head) and on a tiny random

@@ -8,7 +8,7 @@ is timed: milliseconds per round, and per round as a multiple of the AR step, at
 256} and batch in {1, 8}, eager vs captured (capture=True), float32 and bfloat16.
 
     OMP_NUM_THREADS=1 python benchmarks/real_shapes.py --models 0.6b --batches 1 --budgets 16 64
-    python benchmarks/real_shapes.py --models 0.6b 1.7b --compile both --dtypes float32 bfloat16   # the full grid
+    python benchmarks/real_shapes.py --models 0.6b 1.7b --capture both --dtypes float32 bfloat16   # the full grid
 
 On a 2-core CPU the full grid takes hours (a 257-node verify of 1.7B at batch 8 is ~7 TFLOP);
 the defaults are the subset this project's CPU box can run. The same functions time the
@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--budgets", nargs="+", type=int, default=[16, 64])
     ap.add_argument("--batches", nargs="+", type=int, default=[1])
     ap.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
-    ap.add_argument("--compile", choices=["off", "on", "both"], default="off",
+    ap.add_argument("--capture", choices=["off", "on", "both"], default="off",
                     help="captured rounds (capture=True), eager, or both")
     ap.add_argument("--drafter-layers", type=int, default=1, help="z-lab ships 1- to 5-layer drafters")
     ap.add_argument("--device", default="cpu")
@@ -52,8 +52,8 @@ def main() -> None:
     args = ap.parse_args()
     gc.DEVICE = args.device
     deadline = gc.Deadline(args.budget_seconds)
-    compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-    plan = [(c, b, m, budget) for c in compiles for b in args.batches
+    captures = {"off": [False], "on": [True], "both": [False, True]}[args.capture]
+    plan = [(c, b, m, budget) for c in captures for b in args.batches
             for m, budget in [("ar", 1), ("dflash", 16)] + [("ddtree", x) for x in args.budgets]]
     results = {}
     for name in args.models:

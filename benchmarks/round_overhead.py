@@ -1,7 +1,7 @@
 """Time per round split by stage, and the non-model overhead share, on a random demo-sized pair,
-eager and (with --compile) compiled, the modes' passes interleaved.
+eager and (with --capture) captured, the modes' passes interleaved.
 
-    OMP_NUM_THREADS=1 python benchmarks/round_overhead.py --budgets 16 64 --compile [--demo]
+    OMP_NUM_THREADS=1 python benchmarks/round_overhead.py --budgets 16 64 --capture [--demo]
 
 Non-model overhead = tree build + ancestor mask + accept walk + commit (the drafter context
 append is drafter model work and counts under draft). Compile time is paid in a warm-up pass and
@@ -68,7 +68,7 @@ def alone_ms(engine: LLMEngine, method: str, budget: int, args) -> tuple[float, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--compile", action="store_true",
+    ap.add_argument("--capture", action="store_true",
                     help="also run engines with captured rounds (capture=True), interleaved with eager")
     ap.add_argument("--passes", type=int, default=3, help="timed passes per engine (after one warm-up pass)")
     ap.add_argument("--threads", type=int, default=1)
@@ -101,7 +101,7 @@ def main() -> None:
         shape = f"random target {args.layers}x{args.hidden} V={args.vocab}, drafter 1 layer"
     print(f"torch {torch.__version__}, threads {args.threads}, {shape}, block {args.block}, prompt {args.prompt_len}, "
           f"{args.max_tokens} new tokens, {args.passes} interleaved passes\n")
-    modes = [False, True] if args.compile else [False]
+    modes = [False, True] if args.capture else [False]
     engines = {}
     for compiled in modes:
         for method, budget in [("dflash", 1)] + [("ddtree", b) for b in args.budgets]:

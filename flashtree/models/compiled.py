@@ -104,15 +104,16 @@ class CompiledStack:
 
     def __init__(self, model: DecoderLM, feature_layers: tuple[int, ...]) -> None:
         self.feature_layers = tuple(feature_layers)
+        self.index = {k: i for i, k in enumerate(self.feature_layers)}  # layer -> its place in the result
         self.fn = compiled(model.blocks)
 
     def covers(self, feature_layers: tuple[int, ...]) -> bool:
-        return set(feature_layers) <= set(self.feature_layers)
+        return all(k in self.index for k in feature_layers)
 
     def __call__(self, tokens: Tensor, ctx: ForwardContext, feature_layers: tuple[int, ...]
                  ) -> tuple[Tensor, list[Tensor]]:
         x, features = run_with(self.fn, ctx, tokens, ctx, self.feature_layers)
-        return x, [features[self.feature_layers.index(k)] for k in feature_layers]
+        return x, [features[self.index[k]] for k in feature_layers]
 
 
 class CompiledDrafter:

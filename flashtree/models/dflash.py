@@ -206,13 +206,14 @@ class DFlashDrafter(nn.Module):
         keys = torch.arange(ctx.key_len, device=ctx.positions.device)
         ring = ctx.cache if isinstance(ctx.cache, SlidingDraftCache) else None
         built: dict[tuple[bool, int | None], Tensor] = {}
+        masks = []
         for i in range(self.args.num_layers):
-            window = self.args.window(i)
-            in_ring = ring is not None and ring.in_ring(i)
-            if (in_ring, window) not in built:
-                held = ring.ring_positions(ctx) if in_ring else keys
-                built[in_ring, window] = additive(block_mask(held, ctx.starts, ctx.positions, window), dtype)
-        return [built[ring is not None and ring.in_ring(i), self.args.window(i)] for i in range(self.args.num_layers)]
+            kind = (ring is not None and ring.in_ring(i), self.args.window(i))
+            if kind not in built:
+                held = ring.ring_positions(ctx) if kind[0] else keys
+                built[kind] = additive(block_mask(held, ctx.starts, ctx.positions, kind[1]), dtype)
+            masks.append(built[kind])
+        return masks
 
     def stack(self, noise: Tensor, ctx: ForwardContext, masks: list[Tensor]) -> Tensor:
         """The layers and the final norm over the block (what compile_drafter compiles)."""

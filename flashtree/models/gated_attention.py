@@ -6,7 +6,8 @@ import torch
 from torch import Tensor, nn
 
 from flashtree.models.context import ForwardContext
-from flashtree.models.layers import MergedLinear, Rope, apply_rotary, window_attention
+from flashtree.models.compiled import attend
+from flashtree.models.layers import MergedLinear, Rope, apply_rotary
 from flashtree.models.qwen3_5_args import Qwen35Args
 from flashtree.models.qwen3_5_norms import ZeroCentredRMSNorm
 
@@ -36,6 +37,5 @@ class GatedAttention(nn.Module):
         v = v.view(r, n, hkv, hd)
         qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         q, k = apply_rotary(qk, rope).split([h, hkv], dim=2)  # one rotation for q and k
-        out = window_attention(q, k, v, ctx, self.index, hd**-0.5)
-        out = out.transpose(1, 2).reshape(r, n, -1)
+        out = attend(q, k, v, ctx, self.index, hd**-0.5)
         return self.o_proj(out * torch.sigmoid(gate.reshape(r, n, -1)))
