@@ -19,7 +19,7 @@ from flashtree.cache import KVCache, SlidingDraftCache
 from flashtree.errors import FlashtreeError
 from flashtree.models.compiled import CompiledDrafter, draft_attend
 from flashtree.models.context import ForwardContext
-from flashtree.models.layers import MLP, RMSNorm, Rope, Rotary, apply_rotary, rope_parameters
+from flashtree.models.layers import MLP, Linear, RMSNorm, Rope, Rotary, apply_rotary, rope_parameters
 from flashtree.models.mask import additive, block_mask
 from flashtree.models.transformer import Attention
 
@@ -140,7 +140,7 @@ class DFlashDrafter(nn.Module):
     def __init__(self, args: DFlashArgs) -> None:
         super().__init__()
         self.args = args
-        self.fc = nn.Linear(len(args.target_layer_ids) * args.hidden_size, args.hidden_size, bias=False)
+        self.fc = Linear(len(args.target_layer_ids) * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.layers = nn.ModuleList(DraftBlock(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from flashtree.models.context import ForwardContext
 from flashtree.models.compiled import attend
-from flashtree.models.layers import MergedLinear, Rope, apply_rotary
+from flashtree.models.layers import Linear, MergedLinear, Rope, apply_rotary
 from flashtree.models.qwen3_5_args import Qwen35Args
 from flashtree.models.qwen3_5_norms import ZeroCentredRMSNorm
 
@@ -24,7 +24,7 @@ class GatedAttention(nn.Module):
         # q_proj holds each head's query and output gate: [H, 2, hd] rows.
         self.qkv_proj = MergedLinear(d, [("q_proj", args.num_heads * hd * 2), ("k_proj", args.num_kv_heads * hd),
                                          ("v_proj", args.num_kv_heads * hd)], bias=bias)
-        self.o_proj = nn.Linear(args.num_heads * hd, d, bias=bias)
+        self.o_proj = Linear(args.num_heads * hd, d, bias=bias)
         self.q_norm = ZeroCentredRMSNorm(hd, args.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(hd, args.rms_norm_eps)
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from flashtree.models.context import ForwardContext
 from flashtree.models.delta_rule import DeltaWindow, WindowEnd, delta_rule_chunked, delta_rule_window
 from flashtree.models.qwen3_5_args import Qwen35Args
-from flashtree.models.layers import MergedLinear
+from flashtree.models.layers import Linear, MergedLinear
 from flashtree.models.qwen3_5_norms import GatedRMSNorm
 
 
@@ -37,7 +37,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.dv, a.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, a.hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, a.hidden_size, bias=False)
 
     def conv(self, u: Tensor, window: Tensor, ctx: ForwardContext) -> Tensor:
         """silu(causal depthwise conv) of inputs u [R, N, C] after the committed window [R, K-1, C]."""

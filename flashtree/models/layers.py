@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flashtree.models.packed import linear
 from flashtree.models.tree_attention import tree_attention
 
 if TYPE_CHECKING:
@@ -35,6 +36,15 @@ def linear_init(out_features: int, in_features: int, *lead: int, bias: bool = Fa
     return nn.init.uniform_(torch.empty(shape), -bound, bound)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose product goes through oneDNN's packed weight once `packed.pack` marks it (CPU)."""
+
+    packed = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias, self.packed)
+
+
 class MergedLinear(nn.Module):
     """Several projections of the same input as one matmul (q/k/v, gate/up), as gpt-fast fuses them.
 
@@ -45,6 +55,8 @@ class MergedLinear(nn.Module):
     checkpoints. Tensor parallelism shards every part alike: rank r keeps rows
     [r * size / N, (r + 1) * size / N) of each part, so the parts stay in order.
     """
+
+    packed = False  # set by `packed.pack`: products go through oneDNN's packed weight (CPU)
 
     def __init__(self, in_features: int, parts: list[tuple[str, int]], bias: bool = False) -> None:
         super().__init__()
@@ -66,13 +78,12 @@ class MergedLinear(nn.Module):
 
     def fused(self, x: Tensor) -> Tensor:
         """All parts side by side, as one tensor (in `parts` order)."""
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
     def project(self, x: Tensor, first: str, last: str | None = None) -> Tensor:
         """Only the consecutive parts first..last, one matmul over their rows (a contiguous slice)."""
         rows = slice(self.offset(first).start, self.offset(last or first).stop)
-        bias = None if self.bias is None else self.bias[rows]
-        return F.linear(x, self.weight[rows], bias)
+        return linear(x, self.weight, self.bias, self.packed, rows)
 
     def checkpoint_layout(self, prefix: str) -> dict[str, tuple[str, tuple]]:
         """Checkpoint name -> (own parameter, index) for each part; `prefix` is this module's name
@@ -100,7 +111,7 @@ class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(dim, [("gate_proj", hidden), ("up_proj", hidden)], bias=bias)
-        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.down_proj = Linear(hidden, dim, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x)

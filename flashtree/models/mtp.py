@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from flashtree.cache import KVCache
 from flashtree.errors import FlashtreeError
 from flashtree.models.context import ForwardContext
-from flashtree.models.layers import RMSNorm, Rotary
+from flashtree.models.layers import Linear, RMSNorm, Rotary
 
 if TYPE_CHECKING:
     from flashtree.parallel.group import TensorParallel
@@ -50,7 +50,7 @@ class MTPHead(nn.Module):
         d, eps = args.hidden_size, args.rms_norm_eps
         self.args = args
         self.hybrid = hybrid
-        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.fc = Linear(2 * d, d, bias=False)
         self.pre_fc_norm_embedding = Norm(d, eps)
         self.pre_fc_norm_hidden = Norm(d, eps)
         self.layers = nn.ModuleList([Block(args, 0)])

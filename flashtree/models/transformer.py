@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from flashtree.cache import KVCache
 from flashtree.models.context import ForwardContext
 from flashtree.models.compiled import CompiledStack, attend
-from flashtree.models.layers import MLP, MergedLinear, RMSNorm, Rope, Rotary, apply_rotary, rope_parameters
+from flashtree.models.layers import MLP, Linear, MergedLinear, RMSNorm, Rope, Rotary, apply_rotary, rope_parameters
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, hd
         self.qkv_proj = MergedLinear(d, [("q_proj", args.num_heads * hd), ("k_proj", args.num_kv_heads * hd),
                                          ("v_proj", args.num_kv_heads * hd)], bias=bias)
-        self.o_proj = nn.Linear(args.num_heads * hd, d, bias=bias)
+        self.o_proj = Linear(args.num_heads * hd, d, bias=bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(hd, args.rms_norm_eps)
             self.k_norm = RMSNorm(hd, args.rms_norm_eps)
@@ -121,7 +121,7 @@ class DecoderLM(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = layers
         self.norm = norm if norm is not None else RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(args.head_dim, args.rope)

@@ -1,0 +1,97 @@
+"""Linear layers on the CPU through oneDNN with prepacked weights.
+
+A verify window multiplies 16 to a few hundred rows by every weight. PyTorch's CPU `F.linear` runs
+MKL, whose float32 GEMM on some CPUs (AMD EPYC with AVX-512, measured) reaches under half of what
+oneDNN does with its weights reordered once into its blocked layout, which is what vLLM's CPU
+runner uses (docs/performance.md). A one-row product reads the weight once and MKL's is the
+faster, so one row keeps `F.linear`; every other product goes through the packed copy. The packed
+copy lives on the weight tensor itself, so each model, and each engine sharing a compiled graph,
+multiplies by its own weights.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_PACKS = "_flashtree_packs"  # the weight tensor's attribute: (start, stop) -> (weight version, packed rows)
+
+
+def available() -> bool:
+    """Whether this PyTorch build can pack linear weights for oneDNN."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def packed_rows(weight: Tensor, start: int, stop: int) -> Tensor:
+    """Rows start..stop of `weight` in oneDNN's layout, packed once and kept on the weight (again
+    only if the weight was written since)."""
+    packs = weight.__dict__.setdefault(_PACKS, {})
+    held = packs.get((start, stop))
+    if held is None or held[0] != weight._version:
+        rows = weight.detach()[start:stop].contiguous()
+        held = packs[start, stop] = (weight._version, torch.ops.mkldnn._reorder_linear_weight(rows))
+    return held[1]
+
+
+def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, start: int, stop: int) -> Tensor:
+    if x.numel() == x.shape[-1]:  # one row: MKL over the plain weight is faster
+        return F.linear(x, weight[start:stop], None if bias is None else bias[start:stop])
+    b = None if bias is None else bias[start:stop].contiguous()
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_rows(weight, start, stop), b, "none", [], "")
+
+
+# What a compiled graph calls: opaque to inductor, which would otherwise lower it to MKL's mm.
+_packed_linear = torch.library.custom_op("flashtree::packed_linear", packed_linear, mutates_args=())
+
+
+@_packed_linear.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, start: int, stop: int) -> Tensor:
+    return x.new_empty(*x.shape[:-1], stop - start)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: bool, rows: slice | None = None) -> Tensor:
+    """x @ weight[rows].T + bias[rows]: through the packed copy where `packed` (the module was marked
+    by `pack`), else F.linear."""
+    start, stop = (0, weight.shape[0]) if rows is None else (rows.start, rows.stop)
+    # One row (a size dynamo specialised, never a symbolic one, so no guard is added): F.linear.
+    if packed and not all(type(n) is int and n == 1 for n in x.shape[:-1]):
+        op = _packed_linear if torch.compiler.is_compiling() else packed_linear
+        return op(x, weight, bias, start, stop)
+    if rows is not None:
+        weight, bias = weight[rows], None if bias is None else bias[rows]
+    return F.linear(x, weight, bias)
+
+
+def packable(model: nn.Module) -> list[nn.Module]:
+    """The model's linear modules (those with a `packed` flag) whose weight is a float32 CPU matrix."""
+    return [m for m in model.modules() if hasattr(m, "packed") and m.weight.device.type == "cpu"
+            and m.weight.dtype == torch.float32 and m.weight.dim() == 2]
+
+
+def pack(models: list[nn.Module], wanted: bool | None) -> bool:
+    """Mark every packable linear of `models` and pack its weight now, so no request packs one.
+    wanted None: when oneDNN is there and the copies fit in half the free memory (they double the
+    linear weights' memory); True insists (an error without oneDNN); False packs nothing."""
+    from flashtree.errors import FlashtreeError
+
+    modules = [m for model in models if model is not None for m in packable(model)]
+    if not modules or wanted is False:
+        return False
+    if not available():
+        if wanted:
+            raise FlashtreeError("pack_weights=True needs PyTorch's oneDNN (torch.backends.mkldnn), which this "
+                                 "build lacks; leave pack_weights unset")
+        return False
+    need = sum({id(m.weight): m.weight.numel() * m.weight.element_size() for m in modules}.values())
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+    if wanted is None and need > free / 2:
+        print(f"flashtree: linear weights not packed for oneDNN: their copies need {need / 2**30:.1f} GiB, "
+              f"{free / 2**30:.1f} GiB is free (pack_weights=True insists)", flush=True)
+        return False
+    for m in modules:
+        m.packed = True
+        packed_rows(m.weight, 0, m.weight.shape[0])
+    return True
