@@ -26,7 +26,7 @@ def test_packed_products_equal_f_linear(shape):
     merged = MergedLinear(24, [("q_proj", 16), ("k_proj", 8), ("v_proj", 8)], bias=True)
     x = torch.randn(*shape)
     want, want_kv = lin(x), merged.project(x, "k_proj", "v_proj")
-    packed.pack([lin, merged], True)
+    packed.pack_linears([lin, merged], True)
     assert lin.packed and merged.packed
     torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(merged.project(x, "k_proj", "v_proj"), want_kv, rtol=1e-5, atol=1e-5)
@@ -35,7 +35,7 @@ def test_packed_products_equal_f_linear(shape):
 
 def test_a_pack_is_made_once_and_again_after_its_weight_is_written():
     lin = Linear(8, 8)
-    packed.pack([lin], True)
+    packed.pack_linears([lin], True)
     first = packed.packed_rows(lin.weight, 0, 8)
     assert packed.packed_rows(lin.weight, 0, 8) is first
     x = torch.randn(4, 8)
@@ -74,10 +74,10 @@ def test_packing_is_refused_in_one_line(pair, monkeypatch, capsys):
     of memory for the copies, unset skips them with one line."""
     monkeypatch.setattr(packed, "available", lambda: False)
     with pytest.raises(FlashtreeError, match="pack_weights=True needs PyTorch's oneDNN"):
-        packed.pack([Linear(8, 8)], True)
-    assert not packed.pack([Linear(8, 8)], None)
+        packed.pack_linears([Linear(8, 8)], True)
+    assert not packed.pack_linears([Linear(8, 8)], None)
     monkeypatch.undo()
     monkeypatch.setattr(packed.os, "sysconf", lambda name: 1)
     lin = Linear(64, 64)
-    assert not packed.pack([lin], None) and not lin.packed
+    assert not packed.pack_linears([lin], None) and not lin.packed
     assert "not packed for oneDNN" in capsys.readouterr().out

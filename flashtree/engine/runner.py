@@ -35,7 +35,7 @@ from flashtree.engine.shapes import batch_bucket, budget_bucket, key_bucket, pre
 from flashtree.engine.staging import Staging
 from flashtree.errors import FlashtreeError
 from flashtree.models.compiled import compile_drafter, compile_stack
-from flashtree.models.packed import pack
+from flashtree.models.packed import pack_linears
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
 from flashtree.models.dflash2 import DFlash2Drafter
@@ -142,8 +142,8 @@ class ModelRunner:
         if device.type != "cpu" and self.method == "ddtree":
             check_kernels(device, self.cache.dtype)  # before any capture: every tree verify reads its answer
         # Before compiling (graphs call the packed products) and before auto's cost tables.
-        self.packed = device.type == "cpu" and config.tensor_parallel_size == 1 and pack([target, drafter, mtp_head],
-                                                                                         config.pack_weights)
+        self.packed = device.type == "cpu" and config.tensor_parallel_size == 1 and pack_linears(
+            [target, drafter, mtp_head], config.pack_weights)
         self.compile_seconds = 0.0
         if config.compile and device.type == "cpu" and config.tensor_parallel_size == 1:
             # Before auto's cost tables: they time what requests will run.

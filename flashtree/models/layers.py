@@ -37,7 +37,7 @@ def linear_init(out_features: int, in_features: int, *lead: int, bias: bool = Fa
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose product goes through oneDNN's packed weight once `packed.pack` marks it (CPU)."""
+    """nn.Linear whose product goes through oneDNN's packed weight once `packed.pack_linears` marks it (CPU)."""
 
     packed = False
 
@@ -56,7 +56,7 @@ class MergedLinear(nn.Module):
     [r * size / N, (r + 1) * size / N) of each part, so the parts stay in order.
     """
 
-    packed = False  # set by `packed.pack`: products go through oneDNN's packed weight (CPU)
+    packed = False  # set by `packed.pack_linears`: products go through oneDNN's packed weight (CPU)
 
     def __init__(self, in_features: int, parts: list[tuple[str, int]], bias: bool = False) -> None:
         super().__init__()

@@ -54,7 +54,7 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, start: int, stop: int) -> 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: bool, rows: slice | None = None) -> Tensor:
     """x @ weight[rows].T + bias[rows]: through the packed copy where `packed` (the module was marked
-    by `pack`), else F.linear."""
+    by `pack_linears`), else F.linear."""
     start, stop = (0, weight.shape[0]) if rows is None else (rows.start, rows.stop)
     # One row (a size dynamo specialised, never a symbolic one, so no guard is added): F.linear.
     if packed and not all(type(n) is int and n == 1 for n in x.shape[:-1]):
@@ -71,7 +71,7 @@ def packable(model: nn.Module) -> list[nn.Module]:
             and m.weight.dtype == torch.float32 and m.weight.dim() == 2]
 
 
-def pack(models: list[nn.Module], wanted: bool | None) -> bool:
+def pack_linears(models: list[nn.Module], wanted: bool | None) -> bool:
     """Mark every packable linear of `models` and pack its weight now, so no request packs one.
     wanted None: when oneDNN is there and the copies fit in half the free memory (they double the
     linear weights' memory); True insists (an error without oneDNN); False packs nothing."""
