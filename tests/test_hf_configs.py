@@ -292,9 +292,11 @@ def test_hub_shaped_config_loads_to_hf_logits(tmp_path, name):
         ref = hf(ids).logits
         out = ours(ids, ForwardContext.prefill(cache, [0], ids.shape[1])).logits
     # float32 rounding, which the hybrid MoE case's recurrent layers accumulate along the
-    # sequence: up to 2e-4 by the last of 29 tokens on one CPU (1e-4 passed on another); a
-    # wrong layer or routing is off by 1e-2 or more.
-    torch.testing.assert_close(out, ref, atol=5e-4, rtol=1e-4)
+    # sequence: up to 2e-4 by the last of 29 tokens on one CPU. On another (an AVX-512 EPYC) a
+    # near-tie among the router's top experts went the other way at one token: 3.4e-3 there,
+    # fading after it. A wrong layer or routing is off by 1e-2 or more.
+    moe = "num_experts" in text or "num_local_experts" in text
+    torch.testing.assert_close(out, ref, atol=5e-3 if moe else 5e-4, rtol=1e-4)
 
 
 def test_llama_rope_scaling_is_read_from_the_4x_layout(tmp_path):
