@@ -168,6 +168,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int,
                    help="torch CPU threads (default: what torch picks, OMP_NUM_THREADS included, capped at "
                         "the physical cores; use 1 on a shared machine)")
+    p.add_argument("--no-pack-weights", action="store_true",
+                   help="cpu, float32: multiply with PyTorch's F.linear rather than oneDNN's packed copies of the "
+                        "linear weights (which double their memory; by default made when they fit in half the free memory)")
     p.add_argument("--no-selector", action="store_true",
                    help="with a DFlash2 drafter, build the tree from its marginals, not its candidate selector")
     p.add_argument("--num-speculative-tokens", type=positive_int, default=3,
@@ -197,6 +200,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(target=args.target, drafter=args.drafter, method=args.method, budget=args.budget,
                 device=args.device, dtype=args.dtype, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                 use_selector=False if getattr(args, "no_selector", False) else None,
+                pack_weights=False if getattr(args, "no_pack_weights", False) else None,
                 compile=getattr(args, "compile", False), num_speculative_tokens=args.num_speculative_tokens,
                 mtp_head=args.mtp_head)
 

@@ -282,3 +282,14 @@ def test_rounds_far_slower_than_predicted_warn_once(caplog, monkeypatch):
     llm = LLM(device="cpu", dtype="float32", max_batch=1)  # the demo pair, budget="auto"
     llm.generate(["def fib(n):"], SamplingParams(max_tokens=16, ignore_eos=True))
     assert llm.engine.pace.seen >= 1
+
+
+def test_no_pack_weights_reaches_the_engine(capsys, monkeypatch):
+    """--no-pack-weights builds the engine with pack_weights=False (F.linear); unset leaves the default."""
+    seen = []
+    real = cli.engine_kwargs
+    monkeypatch.setattr(cli, "engine_kwargs", lambda args: seen.append(real(args)) or seen[-1])
+    for flags in ((), ("--no-pack-weights",)):
+        code, out, _ = run_cli(capsys, "generate", "Hello", "--method", "ar", "--max-tokens", "2", *flags)
+        assert code == 0 and out.strip()
+    assert [k["pack_weights"] for k in seen] == [None, False]
