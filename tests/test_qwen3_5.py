@@ -15,8 +15,10 @@ from tests.tiny import make_drafter
 
 CPU = torch.device("cpu")
 # Float32 against HF's float32 reference: the fused kernels (norms, projections) round differently,
-# and four random layers of recurrence amplify it to 0.5-1.5e-4 on logits of magnitude ~7.
-HF_TOL = 3e-4
+# and four random layers of recurrence amplify it: 0.5-1.5e-4 on logits of magnitude ~7 on one CPU;
+# on an AVX-512 EPYC HF's own float32 logits sat 2.6e-4 from its float64 ones, ours 5.4e-4, and up
+# to 1.9e-3 from HF's float32 after 80 tokens.
+HF_TOL = 3e-3
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
              linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=512, rms_norm_eps=1e-6)
