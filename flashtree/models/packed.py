@@ -12,10 +12,13 @@ multiplies by its own weights.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from flashtree.errors import FlashtreeError
 
 _PACKS = "_flashtree_packs"  # the weight tensor's attribute: (start, stop) -> (weight version, packed rows)
 
@@ -71,12 +74,18 @@ def packable(model: nn.Module) -> list[nn.Module]:
             and m.weight.dtype == torch.float32 and m.weight.dim() == 2]
 
 
+def free_memory() -> int:
+    """Bytes of free physical memory; where the platform cannot say, 2 GiB (so only small models pack)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return 2 << 30
+
+
 def pack_linears(models: list[nn.Module], wanted: bool | None) -> bool:
     """Mark every packable linear of `models` and pack its weight now, so no request packs one.
     wanted None: when oneDNN is there and the copies fit in half the free memory (they double the
     linear weights' memory); True insists (an error without oneDNN); False packs nothing."""
-    from flashtree.errors import FlashtreeError
-
     modules = [m for model in models if model is not None for m in packable(model)]
     if not modules or wanted is False:
         return False
@@ -86,10 +95,10 @@ def pack_linears(models: list[nn.Module], wanted: bool | None) -> bool:
                                  "build lacks; leave pack_weights unset")
         return False
     need = sum({id(m.weight): m.weight.numel() * m.weight.element_size() for m in modules}.values())
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+    free = free_memory()
     if wanted is None and need > free / 2:
         print(f"flashtree: linear weights not packed for oneDNN: their copies need {need / 2**30:.1f} GiB, "
-              f"{free / 2**30:.1f} GiB is free (pack_weights=True insists)", flush=True)
+              f"{free / 2**30:.1f} GiB is free (pack_weights=True insists)", file=sys.stderr, flush=True)
         return False
     for m in modules:
         m.packed = True
