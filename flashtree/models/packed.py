@@ -40,6 +40,7 @@ def packed_rows(weight: Tensor, start: int, stop: int) -> Tensor:
 
 
 def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, start: int, stop: int) -> Tensor:
+    """x @ weight[start:stop].T (+ bias) through the packed rows."""
     if x.numel() == x.shape[-1]:  # one row: MKL over the plain weight is faster
         return F.linear(x, weight[start:stop], None if bias is None else bias[start:stop])
     b = None if bias is None else bias[start:stop].contiguous()
@@ -58,9 +59,9 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, start: int, stop: int) -> 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: bool, rows: slice | None = None) -> Tensor:
     """x @ weight[rows].T + bias[rows]: through the packed copy where `packed` (the module was marked
     by `pack_linears`), else F.linear."""
-    start, stop = (0, weight.shape[0]) if rows is None else (rows.start, rows.stop)
     # One row (a size dynamo specialised, never a symbolic one, so no guard is added): F.linear.
     if packed and not all(type(n) is int and n == 1 for n in x.shape[:-1]):
+        start, stop = (0, weight.shape[0]) if rows is None else (rows.start, rows.stop)
         op = _packed_linear if torch.compiler.is_compiling() else packed_linear
         return op(x, weight, bias, start, stop)
     if rows is not None:
