@@ -351,3 +351,16 @@ def test_bench_passes_compile_to_every_cell_engine(capsys):
     assert not _engine_config(spec_from_args(build_parser().parse_args(["bench", "--quick"])), "ar", 1, None).compile
     assert main(["bench", "--policy-grid", "--compile"]) != 0
     assert "drop --compile" in capsys.readouterr().err
+
+
+def test_bench_passes_no_pack_weights_to_every_cell_engine():
+    """`flashtree bench --no-pack-weights` reaches each cell's engine and the policy grid's engines."""
+    from flashtree.bench.cli import spec_from_args
+    from flashtree.bench.grid import _engine_config
+    from flashtree.bench.policy_grid import PolicyGridSpec, _config
+    from flashtree.cli import build_parser
+
+    spec = spec_from_args(build_parser().parse_args(["bench", "--quick", "--no-pack-weights"]))
+    assert _engine_config(spec, "ddtree", 16, None).pack_weights is False
+    assert _engine_config(spec_from_args(build_parser().parse_args(["bench", "--quick"])), "ar", 1, None).pack_weights is None
+    assert _config(PolicyGridSpec(pack_weights=False), "auto", 4, None).pack_weights is False

@@ -97,7 +97,8 @@ def policy_grid(args: argparse.Namespace) -> None:
         temperatures=args.temperatures or defaults.temperatures, concurrency=args.concurrency or defaults.concurrency,
         budgets=args.budgets or defaults.budgets, suites=args.suites or defaults.suites,
         num_prompts=args.num_prompts or defaults.num_prompts, max_tokens=args.max_tokens or defaults.max_tokens,
-        passes=args.passes, seed=args.seed, twin=not args.no_twin)
+        passes=args.passes, seed=args.seed, twin=not args.no_twin,
+        pack_weights=False if args.no_pack_weights else None)
     out = Path(args.out if args.out != "runs/bench" else "runs/bench/policy")
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -56,6 +56,7 @@ class BenchSpec:
     cost_dense: bool = True  # 1.5x points between the powers of two
     cost_context: int | None = None  # None: median prompt + max_tokens / 2
     compile: bool = False  # every cell's engine with compile=True (cpu: compiled layers; cuda: captured rounds)
+    pack_weights: bool | None = None  # cpu, float32: oneDNN's packed linear weights (None: where they fit)
 
     def validate(self) -> None:
         bad = [m for m in self.methods if m not in METHODS]
@@ -127,7 +128,8 @@ def _engine_config(spec: BenchSpec, method: str, budget: int | str | None, max_m
                         mtp_head=spec.mtp_head, device=spec.device, dtype=spec.dtype, max_batch=1,
                         max_model_len=max_model_len, stage_timing=spec.stage_sync,
                         tensor_parallel_size=spec.tensor_parallel_size, prefix_cache=False,
-                        use_selector=spec.use_selector, compile=spec.compile)
+                        use_selector=spec.use_selector, compile=spec.compile,
+                        pack_weights=spec.pack_weights)
 
 
 def encode_prompt(engine: LLMEngine, prompt: Prompt) -> list[int]:

@@ -74,6 +74,7 @@ class PolicyGridSpec:
     passes: int = 2  # times each cell runs every stream
     seed: int = 0
     twin: bool = True  # a second `ar` engine: the spread between identical cells in the same run
+    pack_weights: bool | None = None  # cpu, float32: oneDNN's packed linear weights (None: where they fit)
 
     def validate(self) -> None:
         if not self.temperatures or any(t < 0 for t in self.temperatures):
@@ -112,7 +113,7 @@ def _config(spec: PolicyGridSpec, label: str, batch: int, max_model_len: int | N
         method, budget = "ddtree", int(label.split("-")[1])
     return EngineConfig(target=spec.target, drafter=spec.drafter, method=method, budget=budget,
                         max_budget=max(spec.budgets), device=spec.device, dtype=spec.dtype, max_batch=batch,
-                        max_model_len=max_model_len, prefix_cache=False)
+                        max_model_len=max_model_len, prefix_cache=False, pack_weights=spec.pack_weights)
 
 
 class Stream:
