@@ -198,8 +198,7 @@ def cache_key(target, drafter, device: torch.device, dtype: torch.dtype, selecto
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"format": FORMAT, "target": _files(target), "drafter": _files(drafter), "device": f"{device} {name}",
             "dtype": str(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__, "selector": selector,
-            "compiled": getattr(target, "compiled", None) is not None,
-            "packed": any(getattr(m, "packed", False) for m in target.modules())}
+            "compiled": getattr(target, "compiled", None) is not None, "packed": target.lm_head.packed}
 
 
 def cache_path(directory: Path, key: dict) -> Path:

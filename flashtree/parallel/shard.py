@@ -102,6 +102,8 @@ class VocabParallelHead(nn.Module):
     """The LM head's rows of this rank's vocabulary slice; the logits are gathered whole, so every
     rank samples and walks the tree from the same full distribution."""
 
+    packed = False  # tensor parallelism multiplies with F.linear (packed.pack_linears skips it)
+
     def __init__(self, weight: nn.Parameter, sizes: list[int], tp: TensorParallel) -> None:
         super().__init__()
         self.weight, self.sizes, self.tp = weight, sizes, tp
