@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import tempfile
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,7 +21,7 @@ from flashtree.bench.kernels import count_layer_ops  # noqa: E402
 
 
 def one_round(config: EngineConfig, modules) -> dict[str, Counter]:
-    engine = LLMEngine(config)
+    engine = LLMEngine(replace(config, pack_weights=False))  # counted as on CUDA, which never packs
     engine.add_request([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=32, ignore_eos=True))
     for _ in range(3):
         engine.step()

@@ -169,7 +169,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default: what torch picks, OMP_NUM_THREADS included, capped at "
                         "the physical cores; use 1 on a shared machine)")
     p.add_argument("--no-pack-weights", action="store_true",
-                   help="cpu, float32: multiply with PyTorch's F.linear rather than oneDNN's packed copies of the "
+                   help="cpu: multiply with PyTorch's F.linear rather than oneDNN's packed copies of the "
                         "linear weights (which double their memory; by default made when they fit in half the free memory)")
     p.add_argument("--no-selector", action="store_true",
                    help="with a DFlash2 drafter, build the tree from its marginals, not its candidate selector")

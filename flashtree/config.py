@@ -54,7 +54,7 @@ class EngineConfig:
     # through the same static buffers (the tests' stand-in for CUDA graphs).
     capture: bool | None = None
     static_shapes: bool | None = None  # pad every forward to a shape bucket; always on with captured rounds
-    # cpu, float32: linear layers multiply through oneDNN's packed weights (a second copy of them). None =
+    # cpu, float32/bfloat16: linear layers multiply through oneDNN's packed weights (a second copy). None =
     # when oneDNN is there and the copies fit in half the free memory; False = PyTorch's F.linear (MKL).
     pack_weights: bool | None = None
     # method="mtp": the MTP head's recursive drafts per round (3, as vLLM and SGLang serve Qwen3.6) ...

@@ -1,4 +1,4 @@
-"""CPU linear layers through oneDNN's packed weights (flashtree/models/packed.py): the products equal
+"""CPU linear layers (float32, bfloat16) through oneDNN's packed weights (flashtree/models/packed.py): the products equal
 F.linear's to float32 rounding, a pack is made once and again only after its weight is written,
 an engine packs by default and keeps AR's tokens, and the ways packing is refused are one line."""
 
@@ -17,20 +17,22 @@ from tests.tiny import make_drafter, make_target
 pytestmark = pytest.mark.skipif(not packed.available(), reason="this PyTorch build has no oneDNN")
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("shape", [(1, 1, 24), (1, 17, 24), (3, 5, 24), (40, 24)])
-def test_packed_products_equal_f_linear(shape):
-    """One row (F.linear itself), a window, a batch of windows and a flat batch, with a bias, and
-    a merged projection's row slice (what the drafter's context K/V multiplies by)."""
+def test_packed_products_equal_f_linear(shape, dtype, tol):
+    """One row (F.linear itself in float32, packed in bfloat16), a window, a batch of windows and a
+    flat batch, with a bias, and a merged projection's row slice (what the drafter's context K/V
+    multiplies by): F.linear's products to the dtype's rounding."""
     torch.manual_seed(0)
-    lin = Linear(24, 48, bias=True)
-    merged = MergedLinear(24, [("q_proj", 16), ("k_proj", 8), ("v_proj", 8)], bias=True)
-    x = torch.randn(*shape)
+    lin = Linear(24, 48, bias=True).to(dtype)
+    merged = MergedLinear(24, [("q_proj", 16), ("k_proj", 8), ("v_proj", 8)], bias=True).to(dtype)
+    x = torch.randn(*shape).to(dtype)
     want, want_kv = lin(x), merged.project(x, "k_proj", "v_proj")
     packed.pack_linears([lin, merged], True)
     assert lin.packed and merged.packed
-    torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(merged.project(x, "k_proj", "v_proj"), want_kv, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(merged.fused(x), F.linear(x, merged.weight, merged.bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(x), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(merged.project(x, "k_proj", "v_proj"), want_kv, rtol=tol, atol=tol)
+    torch.testing.assert_close(merged.fused(x), F.linear(x, merged.weight, merged.bias), rtol=tol, atol=tol)
 
 
 def test_a_pack_is_made_once_and_again_after_its_weight_is_written():

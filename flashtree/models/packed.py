@@ -1,10 +1,11 @@
 """Linear layers on the CPU through oneDNN with prepacked weights.
 
 A verify window multiplies 16 to a few hundred rows by every weight. PyTorch's CPU `F.linear` runs
-MKL, whose float32 GEMM on some CPUs (AMD EPYC with AVX-512, measured) reaches under half of what
-oneDNN does with its weights reordered once into its blocked layout, which is what vLLM's CPU
-runner uses (docs/performance.md). A one-row product reads the weight once and MKL's is the
-faster, so one row keeps `F.linear`; every other product goes through the packed copy. The packed
+float32 through MKL, whose GEMM on some CPUs (AMD EPYC with AVX-512, measured) reaches under half of
+what oneDNN does with its weights reordered once into its blocked layout, which is what vLLM's CPU
+runner uses (docs/performance.md); bfloat16 gains 1.1-1.7x. A float32 product of one row reads the
+weight once and MKL's is the faster, so it keeps `F.linear`; every other product goes through the
+packed copy. The packed
 copy lives on the weight tensor itself, so each model, and each engine sharing a compiled graph,
 multiplies by its own weights.
 """
@@ -41,7 +42,7 @@ def packed_rows(weight: Tensor, start: int, stop: int) -> Tensor:
 
 def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, start: int, stop: int) -> Tensor:
     """x @ weight[start:stop].T (+ bias) through the packed rows."""
-    if x.numel() == x.shape[-1]:  # one row: MKL over the plain weight is faster
+    if x.numel() == x.shape[-1] and weight.dtype == torch.float32:  # one row: MKL is faster
         return F.linear(x, weight[start:stop], None if bias is None else bias[start:stop])
     b = None if bias is None else bias[start:stop].contiguous()
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_rows(weight, start, stop), b, "none", [], "")
@@ -59,8 +60,8 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, start: int, stop: int) -> 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: bool, rows: slice | None = None) -> Tensor:
     """x @ weight[rows].T + bias[rows]: through the packed copy where `packed` (the module was marked
     by `pack_linears`), else F.linear."""
-    # One row (a size dynamo specialised, never a symbolic one, so no guard is added): F.linear.
-    if packed and not all(type(n) is int and n == 1 for n in x.shape[:-1]):
+    # float32, one row (a size dynamo specialised, never a symbolic one, so no guard is added): F.linear.
+    if packed and (weight.dtype != torch.float32 or not all(type(n) is int and n == 1 for n in x.shape[:-1])):
         start, stop = (0, weight.shape[0]) if rows is None else (rows.start, rows.stop)
         op = _packed_linear if torch.compiler.is_compiling() else packed_linear
         return op(x, weight, bias, start, stop)
@@ -70,9 +71,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: bool, rows: s
 
 
 def packable(model: nn.Module) -> list[nn.Module]:
-    """The model's linear modules (those with a `packed` flag) whose weight is a float32 CPU matrix."""
+    """The model's linear modules (those with a `packed` flag) whose weight is a float32 or bfloat16 CPU matrix."""
     return [m for m in model.modules() if hasattr(m, "packed") and m.weight.device.type == "cpu"
-            and m.weight.dtype == torch.float32 and m.weight.dim() == 2]
+            and m.weight.dtype in (torch.float32, torch.bfloat16) and m.weight.dim() == 2]
 
 
 def free_memory() -> int:
