@@ -5,9 +5,8 @@ float32 through MKL, whose GEMM on some CPUs (AMD EPYC with AVX-512, measured) r
 what oneDNN does with its weights reordered once into its blocked layout, which is what vLLM's CPU
 runner uses (docs/performance.md); bfloat16 gains 1.1-1.7x. A float32 product of one row reads the
 weight once and MKL's is the faster, so it keeps `F.linear`; every other product goes through the
-packed copy. The packed
-copy lives on the weight tensor itself, so each model, and each engine sharing a compiled graph,
-multiplies by its own weights.
+packed copy. The copy lives on the weight tensor itself, so each model, and each engine sharing a
+compiled graph, multiplies by its own weights.
 """
 
 from __future__ import annotations
