@@ -56,7 +56,7 @@ class BenchSpec:
     cost_dense: bool = True  # 1.5x points between the powers of two
     cost_context: int | None = None  # None: median prompt + max_tokens / 2
     compile: bool = False  # every cell's engine with compile=True (cpu: compiled layers; cuda: captured rounds)
-    pack_weights: bool | None = None  # cpu, float32: oneDNN's packed linear weights (None: where they fit)
+    pack_weights: bool | None = None  # cpu: oneDNN's packed linear weights (None: where they fit)
 
     def validate(self) -> None:
         bad = [m for m in self.methods if m not in METHODS]

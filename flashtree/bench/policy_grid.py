@@ -74,7 +74,7 @@ class PolicyGridSpec:
     passes: int = 2  # times each cell runs every stream
     seed: int = 0
     twin: bool = True  # a second `ar` engine: the spread between identical cells in the same run
-    pack_weights: bool | None = None  # cpu, float32: oneDNN's packed linear weights (None: where they fit)
+    pack_weights: bool | None = None  # cpu: oneDNN's packed linear weights (None: where they fit)
 
     def validate(self) -> None:
         if not self.temperatures or any(t < 0 for t in self.temperatures):
