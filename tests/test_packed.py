@@ -47,6 +47,15 @@ def test_a_pack_is_made_once_and_again_after_its_weight_is_written():
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
+def test_a_model_built_under_inference_mode_packs():
+    """Weights created under torch.inference_mode keep no version counter; they pack all the same."""
+    with torch.inference_mode():
+        lin = Linear(8, 8)
+        assert packed.pack_linears([lin], True)
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("packed")

@@ -32,10 +32,11 @@ def packed_rows(weight: Tensor, start: int, stop: int) -> Tensor:
     """Rows start..stop of `weight` in oneDNN's layout, packed once and kept on the weight (again
     only if the weight was written since)."""
     packs = weight.__dict__.setdefault(_PACKS, {})
+    version = -1 if weight.is_inference() else weight._version  # inference tensors keep no version
     held = packs.get((start, stop))
-    if held is None or held[0] != weight._version:
+    if held is None or held[0] != version:
         rows = weight.detach()[start:stop].contiguous()
-        held = packs[start, stop] = (weight._version, torch.ops.mkldnn._reorder_linear_weight(rows))
+        held = packs[start, stop] = (version, torch.ops.mkldnn._reorder_linear_weight(rows))
     return held[1]
 
 
