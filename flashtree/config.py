@@ -88,6 +88,9 @@ class EngineConfig:
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise FlashtreeError(f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, "
                                  f"got {self.num_speculative_tokens!r}")
+        if self.pack_weights not in (None, True, False):
+            raise FlashtreeError(f"pack_weights must be True, False or None (pack where the copies fit), "
+                                 f"got {self.pack_weights!r}")
         if self.target is None:
             self.target = str(DEMO_TARGET)
             if self.drafter is None and self.method not in ("ar", "mtp"):

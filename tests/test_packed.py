@@ -81,8 +81,11 @@ def test_an_engine_packs_by_default_and_keeps_ar_tokens_and_logprobs(pair):
 
 
 def test_packing_is_refused_in_one_line(pair, monkeypatch, capsys):
-    """Without oneDNN, pack_weights=True is one FlashtreeError; unset, it quietly runs F.linear. Short
-    of memory for the copies, unset skips them with one line."""
+    """A pack_weights that is not a bool or None, and pack_weights=True without oneDNN, are one
+    FlashtreeError each; unset, it quietly runs F.linear. Short of memory for the copies, unset
+    skips them with one line."""
+    with pytest.raises(FlashtreeError, match="pack_weights must be True, False or None"):
+        LLM(*pair, device="cpu", pack_weights="yes")
     monkeypatch.setattr(packed, "available", lambda: False)
     with pytest.raises(FlashtreeError, match="pack_weights=True needs PyTorch's oneDNN"):
         packed.pack_linears([Linear(8, 8)], True)
