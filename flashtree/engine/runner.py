@@ -35,11 +35,11 @@ from flashtree.engine.shapes import batch_bucket, budget_bucket, key_bucket, pre
 from flashtree.engine.staging import Staging
 from flashtree.errors import FlashtreeError
 from flashtree.models.compiled import compile_drafter, compile_stack
-from flashtree.models.packed import pack_linears
 from flashtree.models.context import ForwardContext, SlotBatch
 from flashtree.models.dflash import DFlashDrafter
 from flashtree.models.dflash2 import DFlash2Drafter
 from flashtree.models.mtp import MTPHead
+from flashtree.models.packed import pack_linears
 from flashtree.models.transformer import ForwardOutput
 from flashtree.sampler import SamplingBatch, SamplingStage, pick, processed_logprobs
 from flashtree.sampling import SamplingParams
