@@ -141,11 +141,11 @@ class ModelRunner:
         self.draft_cache = drafter.new_cache(slots, cache_len) if drafter is not None else None
         if device.type != "cpu" and self.method == "ddtree":
             check_kernels(device, self.cache.dtype)  # before any capture: every tree verify reads its answer
+        cpu_alone = device.type == "cpu" and config.tensor_parallel_size == 1  # tensor parallelism stays eager
         # Before compiling (graphs call the packed products) and before auto's cost tables.
-        self.packed = device.type == "cpu" and config.tensor_parallel_size == 1 and pack_linears(
-            [target, drafter, mtp_head], config.pack_weights)
+        self.packed = cpu_alone and pack_linears([target, drafter, mtp_head], config.pack_weights)
         self.compile_seconds = 0.0
-        if config.compile and device.type == "cpu" and config.tensor_parallel_size == 1:
+        if config.compile and cpu_alone:
             # Before auto's cost tables: they time what requests will run.
             if target.compilable:
                 self.compile_seconds = compile_stack(target, self.feature_layers, self.cache, self.max_rows, progress)

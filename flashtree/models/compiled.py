@@ -137,10 +137,17 @@ def compiling(what: str):
                              "run without compile (--compile), or install a C++ compiler (g++ or clang)") from e
 
 
-def warm_shapes(max_rows: int, tokens: tuple[int, ...]) -> list[tuple[int, int]]:
-    """(rows, tokens) to compile: 2 and 1 rows (as max_rows allows) by each window size. Rows and
-    tokens differ in each, or dynamo would assume them equal ("duck sizing")."""
-    return [(r, n) for r in (2, 1) if r <= max_rows for n in tokens]
+def warm(what: str, max_rows: int, tokens: tuple[int, ...], run: Callable[[int, int], object], progress: bool
+         ) -> float:
+    """run(rows, tokens) for 2 and 1 rows (as max_rows allows) by each window size, with a progress
+    bar and one-line failures; returns the seconds. Rows and tokens differ in each shape, or dynamo
+    would assume them equal ("duck sizing")."""
+    t0 = time.perf_counter()
+    with compiling(f"the {what}'s layers"):
+        shapes = [(r, n) for r in (2, 1) if r <= max_rows for n in tokens]
+        for r, n in tqdm(shapes, desc=f"compiling the {what}'s forward", unit="shape", disable=not progress):
+            run(r, n)
+    return time.perf_counter() - t0
 
 
 @torch.inference_mode()  # as every forward the engine runs: grad mode is part of dynamo's guards
@@ -156,17 +163,13 @@ def compile_stack(model: DecoderLM, feature_layers: tuple[int, ...], cache, max_
         if model.compiled.covers(feature_layers):
             return 0.0
         feature_layers = tuple(sorted({*model.compiled.feature_layers, *feature_layers}))
-    t0 = time.perf_counter()
     stack = CompiledStack(model, feature_layers)
     device = cache.device
-    with compiling("the target's layers"):
-        for r, n in tqdm(warm_shapes(max_rows, (3, 1)), desc="compiling the target's forward", unit="shape",
-                         disable=not progress):
-            batch = SlotBatch.of(cache, list(range(r)))
-            stack(torch.zeros(r, n, dtype=torch.long, device=device), ForwardContext.prefill(cache, batch, n),
-                  feature_layers)
+    seconds = warm("target", max_rows, (3, 1), lambda r, n: stack(
+        torch.zeros(r, n, dtype=torch.long, device=device),
+        ForwardContext.prefill(cache, SlotBatch.of(cache, list(range(r))), n), feature_layers), progress)
     model.compiled = stack
-    return time.perf_counter() - t0
+    return seconds
 
 
 @torch.inference_mode()
@@ -178,14 +181,13 @@ def compile_drafter(drafter: DFlashDrafter, cache, max_rows: int, progress: bool
 
     if drafter.compiled is not None:
         return 0.0
-    t0 = time.perf_counter()
     stack = CompiledDrafter(drafter)
-    block, d = drafter.block_size, drafter.args.hidden_size
-    p = drafter.norm.weight
-    with compiling("the drafter's layers"):
-        for r, n in tqdm(warm_shapes(max_rows, (block,)), desc="compiling the drafter's forward", unit="shape",
-                         disable=not progress):
-            ctx = ForwardContext.block(cache, SlotBatch.of(cache, list(range(r))), n, n + 1)
-            stack(torch.zeros(r, n, d, dtype=p.dtype, device=p.device), ctx, drafter.masks(ctx, p.dtype))
+    d, p = drafter.args.hidden_size, drafter.norm.weight
+
+    def run(r: int, n: int) -> None:
+        ctx = ForwardContext.block(cache, SlotBatch.of(cache, list(range(r))), n, n + 1)
+        stack(torch.zeros(r, n, d, dtype=p.dtype, device=p.device), ctx, drafter.masks(ctx, p.dtype))
+
+    seconds = warm("drafter", max_rows, (drafter.block_size,), run, progress)
     drafter.compiled = stack
-    return time.perf_counter() - t0
+    return seconds

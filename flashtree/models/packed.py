@@ -41,9 +41,7 @@ def packed_rows(weight: Tensor, start: int, stop: int) -> Tensor:
 
 
 def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, start: int, stop: int) -> Tensor:
-    """x @ weight[start:stop].T (+ bias) through the packed rows."""
-    if x.numel() == x.shape[-1] and weight.dtype == torch.float32:  # one row: MKL is faster
-        return F.linear(x, weight[start:stop], None if bias is None else bias[start:stop])
+    """x @ weight[start:stop].T (+ bias) through the packed rows (`linear` keeps float32 one-row products)."""
     b = None if bias is None else bias[start:stop].contiguous()
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_rows(weight, start, stop), b, "none", [], "")
 
