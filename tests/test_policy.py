@@ -166,6 +166,13 @@ def _run(policy: Policy, reqs: list[Request], accept: float, rounds: int) -> lis
     return plans
 
 
+def _requests_in_turn(policy: Policy, n: int, accept: float, rounds: int) -> None:
+    """n requests of one class, one after another in slot 0, each for `rounds` rounds: a class learns
+    from many requests (each one's own runs soon decide its own rounds)."""
+    for _ in range(n):
+        _run(policy, _requests(1), accept=accept, rounds=rounds)
+
+
 def test_a_fresh_policy_starts_from_the_chain_or_ar_as_the_cost_model_says():
     """No evidence yet: the first rounds play the chain where the cost model says it pays with
     half its depth kept, AR steps where it does not; never an exploration tree, whatever the batch."""
@@ -257,6 +264,29 @@ def test_a_uniform_batch_is_planned_as_the_per_row_path_plans_it(monkeypatch):
         assert (a.modes, a.window, a.draft_rows, a.predicted) == (b.modes, b.window, b.draft_rows, b.predicted)
         _feed(one, a, uniform, accept=0.8)
         _feed(two, b, mixed, accept=0.8)
+
+
+def test_a_request_is_predicted_from_its_own_chain_runs():
+    """Two greedy requests whose spines both keep their first 3 tokens (the same level), then one runs
+    on to all 15 and the other stops. The class's shape alone predicts them alike; each one's own
+    runs tell them apart, and where each drafting row costs what ~3 AR steps do, only the long one drafts."""
+    policy = Policy(synthetic_cost(1e-4, draft=0.03), 16, 16, 64, 4096)
+    long, short = _requests(1), _requests(1, first=1)
+    chain = policy.arm_plan(policy.chain_arm, 1)
+    for _ in range(30):
+        for reqs, run in ((long, 15), (short, 3)):
+            policy.plan(reqs)
+            policy.observe(chain, [reqs[0].slot], [run], None, 0.05)
+    levels = policy._levels([0, 1], [0, 0])
+    assert levels[0] == levels[1]
+    pooled, _ = policy.expected([0, 0], levels)
+    assert pooled[0, -1] == pooled[1, -1]
+    own, _ = policy.expected([0, 0], levels, [0, 1])
+    assert own[0, -1] > 12 and own[1, -1] < 4
+    for st in policy.classes.values():
+        st.credit = 0.0  # no exploration round now
+    plan = policy.plan(long + short)
+    assert plan.draft_rows == [0] and plan.modes[1] == AR
 
 
 def test_a_mixed_batch_drafts_only_the_rows_that_pay():
@@ -402,14 +432,14 @@ def test_a_request_on_ar_steps_is_probed_with_the_chain_each_time_its_output_dou
 
     def probe_credit(policy, req):  # enough for the chain's predicted loss, short of exploring the tree of 64
         ar_seconds, table = policy.seconds(1)
-        gains = policy.expected([0], policy._levels([req.slot], [0]))[0][0]
+        gains = policy.expected([0], policy._levels([req.slot], [0]), [req.slot])[0][0]
         loss = table[:, 1] - (1 + gains) * ar_seconds
         assert loss[policy.grid.index(64)] > 1.01 * loss[policy.chain_arm]
         policy.classes[0].credit = 1.01 * max(loss[policy.chain_arm], 0.0)
 
     for accept, drafts_on in ((0.95, True), (0.0, False)):
         policy = Policy(synthetic_cost(1e-5, draft=2e-3), 16, 16, 64, 4096)
-        _run(policy, _requests(1), accept=0.0, rounds=400)
+        _requests_in_turn(policy, 40, accept=0.0, rounds=20)
         _run(policy, _requests(1, first=1, tokens=0), accept=0.0, rounds=400)  # openings too
         assert policy.plan(_requests(1, tokens=0)).drafting == 0
         new = _requests(1, tokens=0)
@@ -435,7 +465,7 @@ def test_a_class_seats_plain_only_if_none_of_its_recent_requests_would_draft():
     one of its recent requests kept enough to pay; once its recent requests all kept nothing,
     new ones are seated plain (all but the scouts)."""
     policy = Policy(synthetic_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
-    _run(policy, _requests(1), accept=0.0, rounds=8000)
+    _requests_in_turn(policy, 40, accept=0.0, rounds=80)
     st = policy.classes[0]
     assert st.level_rows >= SETTLE_ROWS and not policy.admit(SamplingParams(), 1)
     st.recent = [0.0, 3.0]  # one recent request kept its whole base every round

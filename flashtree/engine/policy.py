@@ -28,7 +28,7 @@ MODE_NAMES = ("ar", "chain", "tree")
 BASE, P = 3, 0.5  # the paired base (spine nodes), and the tokens added to it in the chain's shape
 LEVELS = (1.5, 2.5)  # bins of a row's level, each with its own tree statistics
 LEVEL_RATE, REQUEST_RATE, SHAPE_RATE = 0.05, 0.3, 0.02  # EMA weights: per class row, per request round, per row
-OWN_ROUNDS = 2  # a request's own level counts n / (n + OWN_ROUNDS) against its class's after n rounds
+OWN_ROUNDS, OWN_RUNS = 2, 4  # after n rounds a request's own level, and its own chain run, count n / (n + these)
 KNOWN = 8  # rows measured before an arm's estimate is trusted without exploring it
 STALE = 300  # rounds of its class after which an arm not measured since is explored again, once
 PRIOR_ROWS = 8  # the weight, in rows, of the level's and the chain's priors
@@ -165,6 +165,7 @@ class Policy:
         self.cls = [0] * slots
         self.level = np.zeros(slots)  # each request's own recent base ...
         self.measured = np.zeros(slots)  # ... and the rounds it rests on
+        self.run = np.zeros(slots)  # each request's own recent chain run (its spine's, in tree rounds)
         self.due = np.zeros(slots)  # the output tokens at which a request on AR steps is probed (again)
         self.tokens = np.zeros(slots)  # each request's output tokens when last planned
         self.factor = np.ones(len(self.grid) + 2)  # timed / modelled seconds per arm; the last is AR's
@@ -236,13 +237,18 @@ class Policy:
         own = self.measured[slots] / (self.measured[slots] + OWN_ROUNDS)
         return own * self.level[slots] + (1 - own) * np.array([self._stats(c).level for c in classes])
 
-    def expected(self, classes: list[int], levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def expected(self, classes: list[int], levels: np.ndarray, slots: list[int] | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
         """[rows, arms]: the drafted tokens each row (its class and level) is expected to keep, and the rows
         each estimate rests on (at most KNOWN). A tree keeps what it kept in the row's level bin, less where
         the chain is expected to keep less than it did on those rows; never measured there, the chain's first b."""
         uniq = sorted(set(classes))
         idx, stats, bins = [uniq.index(c) for c in classes], [self._stats(c) for c in uniq], np.digitize(levels, LEVELS)
         chain = np.array([st.shape for st in stats])[idx][:, None] * (np.asarray(levels)[:, None] + P)
+        if slots is not None:  # requests unlike their class's others, by their own runs once the class is measured
+            own = self.measured[slots] / (self.measured[slots] + OWN_RUNS)
+            own = (own * [stats[i].level_rows >= SETTLE_ROWS for i in idx])[:, None]
+            chain = own * self.run[slots][:, None] + (1 - own) * chain
         per = np.array([(s.rows, s.round - s.seen, *s.kept) for s in stats])[idx, :, :, bins]
         rows, age, kept, paired = np.moveaxis(per, 1, 0)  # each [rows, arms], at the row's level bin
         known = np.where(age <= STALE, np.minimum(rows, KNOWN), 0)
@@ -279,7 +285,7 @@ class Policy:
         slots = [reqs[i].slot for i in rows]
         self.tokens[slots] = [len(reqs[i].output_ids) for i in rows]
         classes = [self._class_of(s) for s in slots]
-        gains, known = self.expected(classes, self._levels(slots, classes))  # [k, arms]
+        gains, known = self.expected(classes, self._levels(slots, classes), slots)  # [k, arms]
         room = [reqs[i].params.max_tokens - len(reqs[i].output_ids) - 1 for i in rows]  # drafted tokens it may keep
         gains = np.minimum(gains, np.maximum(np.array(room, dtype=float), 0.0)[:, None])
         # A tree is played for its rate only once measured; before that, only to explore it.
@@ -379,7 +385,9 @@ class Policy:
                 base = min(run, BASE)
                 st.leveled(base)
                 if cls >= 0:  # the opening says little of the request either
-                    self.level[s] += max(REQUEST_RATE, 1.0 / (1.0 + self.measured[s])) * (base - self.level[s])
+                    rate = max(REQUEST_RATE, 1.0 / (1.0 + self.measured[s]))
+                    self.level[s] += rate * (base - self.level[s])
+                    self.run[s] += rate * (chain - self.run[s])
                     self.measured[s] += 1
                     self.due[s] = 2 * self.tokens[s]
         for c in {self.cls[s] for s in slots}:
