@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashtree import LLM, SamplingParams
+from flashtree import LLM, EngineConfig, LLMEngine, SamplingParams
 from flashtree.errors import FlashtreeError
 from flashtree.models import packed
 from flashtree.models.layers import Linear, MergedLinear
@@ -95,3 +95,22 @@ def test_packing_is_refused_in_one_line(pair, monkeypatch, capsys):
     lin = Linear(64, 64)
     assert not packed.pack_linears([lin], None) and not lin.packed
     assert "not packed for oneDNN" in capsys.readouterr().err
+
+
+def test_engines_sharing_weights_share_one_packing_decision(pair):
+    """Engines over shared modules (share_weights) multiply alike: an unset pack_weights follows the
+    first engine's decision, modules the first one lacked (a drafter) get it too, and asking for the
+    opposite is one FlashtreeError."""
+    target, drafter = pair
+    first = LLMEngine(EngineConfig(target=target, method="ar", device="cpu", max_model_len=64, pack_weights=False))
+    follower = LLMEngine(EngineConfig(target=target, drafter=drafter, method="dflash", device="cpu", max_model_len=64),
+                         share_weights=first)
+    assert not follower.runner.packed and not follower.drafter.fc.packed
+    with pytest.raises(FlashtreeError, match="shared with an engine that did not pack them"):
+        LLMEngine(EngineConfig(target=target, method="ar", device="cpu", max_model_len=64, pack_weights=True),
+                  share_weights=first)
+    packed_first = LLMEngine(EngineConfig(target=target, method="ar", device="cpu", max_model_len=64))
+    assert packed_first.runner.packed
+    with pytest.raises(FlashtreeError, match="shared with an engine that packed them"):
+        LLMEngine(EngineConfig(target=target, method="ar", device="cpu", max_model_len=64, pack_weights=False),
+                  share_weights=packed_first)

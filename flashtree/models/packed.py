@@ -87,8 +87,24 @@ def pack_linears(models: list[nn.Module], wanted: bool | None) -> bool:
     wanted None: when oneDNN is there and the copies fit in half the free memory (they double the
     linear weights' memory); True insists (an error without oneDNN); False packs nothing."""
     modules = [m for model in models if model is not None for m in packable(model)]
-    if not modules or wanted is False:
-        return False
+    decided = {m.__dict__["packed"] for m in modules if "packed" in m.__dict__}
+    if decided:  # modules shared with an engine that decided already (share_weights): one decision for all
+        chosen = decided.pop()
+        if wanted is not None and wanted != chosen:
+            raise FlashtreeError(f"pack_weights={wanted} on weights shared with an engine that "
+                                 f"{'packed' if chosen else 'did not pack'} them (share_weights); give both "
+                                 "engines the same pack_weights")
+    else:
+        chosen = bool(modules) and wanted is not False and _fits(modules, wanted)
+    for m in modules:
+        m.packed = chosen
+        if chosen:
+            packed_rows(m.weight, 0, m.weight.shape[0])
+    return chosen
+
+
+def _fits(modules: list[nn.Module], wanted: bool | None) -> bool:
+    """Whether oneDNN is there and (unless `wanted` insists) the packed copies fit."""
     if not available():
         if wanted:
             raise FlashtreeError("pack_weights=True needs PyTorch's oneDNN (torch.backends.mkldnn), which this "
@@ -100,7 +116,4 @@ def pack_linears(models: list[nn.Module], wanted: bool | None) -> bool:
         print(f"flashtree: linear weights not packed for oneDNN: their copies need {need / 2**30:.1f} GiB, "
               f"{free / 2**30:.1f} GiB is free (pack_weights=True insists)", file=sys.stderr, flush=True)
         return False
-    for m in modules:
-        m.packed = True
-        packed_rows(m.weight, 0, m.weight.shape[0])
     return True
