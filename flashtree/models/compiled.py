@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from flashtree.errors import FlashtreeError
 from flashtree.models.layers import attention, window_attention
+from flashtree.models.ops import opaque
 
 if TYPE_CHECKING:
     from flashtree.models.context import ForwardContext
@@ -38,21 +39,17 @@ def merged_heads(out: Tensor) -> Tensor:
     return out.transpose(1, 2).reshape(r, n, h * d)
 
 
-@torch.library.custom_op("flashtree::window_attention", mutates_args=())
-def _window_attention_op(q: Tensor, k: Tensor, v: Tensor, layer: int, scale: float) -> Tensor:
-    return merged_heads(window_attention(q, k, v, running[-1], layer, scale))
-
-
-@torch.library.custom_op("flashtree::draft_attention", mutates_args=())
-def _draft_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, layer: int, scale: float) -> Tensor:
-    return _draft_attention(q, k, v, running[-1], layer, mask, scale)
-
-
-@_window_attention_op.register_fake
-@_draft_attention_op.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, *_) -> Tensor:
+def _fake_attention(q: Tensor, *_) -> Tensor:
     r, n, h, d = q.shape
     return q.new_empty(r, n, h * d)
+
+
+_window_attention_op = opaque(
+    "window_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor",
+    lambda q, k, v, layer, scale: merged_heads(window_attention(q, k, v, running[-1], layer, scale)), _fake_attention)
+_draft_attention_op = opaque(
+    "draft_attention(Tensor q, Tensor k, Tensor v, Tensor mask, int layer, float scale) -> Tensor",
+    lambda q, k, v, mask, layer, scale: _draft_attention(q, k, v, running[-1], layer, mask, scale), _fake_attention)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, ctx: ForwardContext, layer: int, scale: float) -> Tensor:

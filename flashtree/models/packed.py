@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flashtree.errors import FlashtreeError
+from flashtree.models.ops import opaque
 
 _PACKS = "_flashtree_packs"  # the weight tensor's attribute: (start, stop) -> (weight version, packed rows)
 
@@ -47,12 +48,8 @@ def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None, start: int, st
 
 
 # What a compiled graph calls: opaque to inductor, which would otherwise lower it to MKL's mm.
-_packed_linear = torch.library.custom_op("flashtree::packed_linear", packed_linear, mutates_args=())
-
-
-@_packed_linear.register_fake
-def _(x: Tensor, weight: Tensor, bias: Tensor | None, start: int, stop: int) -> Tensor:
-    return x.new_empty(*x.shape[:-1], stop - start)
+_packed_linear = opaque("packed_linear(Tensor x, Tensor weight, Tensor? bias, int start, int stop) -> Tensor",
+                        packed_linear, lambda x, weight, bias, start, stop: x.new_empty(*x.shape[:-1], stop - start))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, packed: bool, rows: slice | None = None) -> Tensor:
