@@ -7,6 +7,7 @@ it relies on: cut and per-row builds equal smaller builds, placed rows keep thei
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -253,12 +254,12 @@ def test_a_uniform_batch_is_planned_as_the_per_row_path_plans_it(monkeypatch):
     monkeypatch.setattr(policy_module, "PROBE", 0.0)
     one = Policy(synthetic_cost(3e-5), 16, 16, 64, 4096)
     two = Policy(synthetic_cost(3e-5), 16, 16, 64, 4096)
-    uniform = _requests(6)
-    mixed = _requests(3, temperature=0.0) + _requests(3, temperature=0.5, first=3)
-    warm = _requests(1, first=10)
+    uniform = _requests(6, temperature=0.5)
+    mixed = _requests(3, temperature=0.5) + _requests(3, temperature=0.6, first=3)
+    warm = _requests(1, temperature=0.5, first=10)
     for p in (one, two):
         _run(p, warm, accept=0.8, rounds=60)
-    two.classes[5] = two.classes[0]  # the sampled class has measured exactly what the greedy one has
+    two.classes[6] = two.classes[5]  # the second class has measured exactly what the first one has
     for _ in range(20):
         a, b = one.plan(uniform), two.plan(mixed)
         assert (a.modes, a.window, a.draft_rows, a.predicted) == (b.modes, b.window, b.draft_rows, b.predicted)
@@ -287,6 +288,36 @@ def test_a_request_is_predicted_from_its_own_chain_runs():
         st.credit = 0.0  # no exploration round now
     plan = policy.plan(long + short)
     assert plan.draft_rows == [0] and plan.modes[1] == AR
+
+
+def test_estimates_are_scaled_by_what_the_rows_chosen_on_them_kept():
+    """Sampled rows chosen to draft on their estimates keep 1 token where 8 were predicted (estimates run
+    high where noise put them high): every estimate of the class is scaled by kept / predicted, and the
+    chain is no longer played where only the unscaled estimate pays. Explorations teach no scale, nor
+    do greedy rows, whose acceptance follows the text."""
+    calibrated, plain = (Policy(synthetic_cost(1e-4, draft=0.03), 16, 16, 64, 4096) for _ in range(2))
+    reqs = _requests(1, temperature=0.7)
+    chosen = replace(calibrated.arm_plan(calibrated.chain_arm, 1), predicted=[8.0], seconds=0.05)
+    for policy in (calibrated, plain):
+        policy.plan(reqs)
+        for _ in range(30):
+            policy.observe(chosen, [0], [1], None, 0.05)
+            policy.observe(replace(chosen, explored=True, baseline=100.0), [0], [9], None, 0.05)
+    plain.classes[7].calibration[:] = (1.0, 1.0, 0.0)
+    levels = calibrated._levels([0], [7])
+    scaled, _ = calibrated.expected([7], levels, [0])
+    unscaled, _ = plain.expected([7], levels, [0])
+    factor = scaled[0, -1] / unscaled[0, -1]
+    assert factor < 0.5
+    assert np.allclose(scaled, np.minimum(unscaled * factor, calibrated.cap))
+    for policy in (calibrated, plain):
+        for st in policy.classes.values():
+            st.credit = 0.0  # no exploration round now
+    assert plain.plan(reqs).drafting and not calibrated.plan(reqs).drafting
+    greedy = Policy(synthetic_cost(1e-4, draft=0.03), 16, 16, 64, 4096)
+    greedy.plan(_requests(1))
+    greedy.observe(chosen, [0], [1], None, 0.05)
+    assert greedy.classes[0].calibration.tolist() == [1.0, 1.0, 0.0]
 
 
 def test_a_mixed_batch_drafts_only_the_rows_that_pay():

@@ -39,6 +39,7 @@ HOLD_MAX = 32  # rounds AR steps may be decided ahead while the batch stays the 
 PROBE_TOKENS = 8  # a request's tokens before a probe (its first rounds keep little at T = 0)
 RECENT = 8  # requests whose own levels a class keeps: a new one is seated plain only if none would draft
 SCOUT = 8  # requests seated while their class is settled on AR steps: one in this many may draft
+SCALE_MIN = 0.25  # the least a sampled class's kept / predicted scales its estimates by
 
 
 def sampling_class(params: SamplingParams) -> int:
@@ -117,6 +118,7 @@ class ClassStats:
         self.round, self.credit = 0, 0.0  # the class's rounds; seconds exploration may spend
         self.seated = 0.0  # scouts owed to requests seated plain (admit)
         self.recent: list[float] = []  # the own levels of its last RECENT measured requests
+        self.calibration = np.array([1.0, 1.0, 0.0])  # rows chosen on their estimates: mean predicted, kept; rows
 
     def measured(self, level: int, counts: list[int], chain: float) -> None:
         """One tree row in `level` bin: per tree size up to the one played, drafted tokens kept; the chain's run."""
@@ -138,6 +140,10 @@ class ClassStats:
         self.rows[-1, level] += 1
         self.seen[-1, level] = self.round
         return float(expected)
+
+    @property
+    def scale(self) -> float:  # kept / predicted, bounded so a class on AR steps drafts again where raw estimates soar
+        return min(max(self.calibration[1] / max(self.calibration[0], 1e-9), SCALE_MIN), 1 / SCALE_MIN)
 
     @property
     def shape(self) -> float:  # the chain's: its expected run over level + P
@@ -258,7 +264,10 @@ class Policy:
         opening = np.array(classes) < 0  # an opening: the chain or AR steps, never explored
         out[opening, :-1], known[opening] = 0.0, KNOWN
         known[:, -1] = np.maximum(known[:, -1], 1)  # the chain rests on its prior from the start
-        return np.minimum(out, self.cap), known
+        # A sampled row's acceptance is mostly noise, so rows chosen where their estimates run high keep less:
+        # kept / predicted over such rows of the class scales its estimates (at T = 0.7, a tenth was kept).
+        calibrated = np.array([st.scale for st in stats])[idx][:, None]
+        return np.minimum(out * calibrated, self.cap), known
 
     def plan(self, reqs: list[Request]) -> RoundPlan:
         R = len(reqs)
@@ -378,7 +387,13 @@ class Policy:
             bins = np.digitize(self._levels(drafted, classes), LEVELS)
             for n, (s, cls, level) in enumerate(zip(drafted, classes, bins)):
                 st = self._stats(cls)
-                counts, run, censored = measured[n] if plan.tree_rows else ([], accepted[plan.draft_rows[n]], False)
+                row = plan.draft_rows[n]
+                if cls not in (0, -1) and not plan.explored and plan.predicted[row] > 0:  # sampled, chosen on estimate
+                    c = st.calibration  # its prediction before calibration, against what it kept
+                    raw = plan.predicted[row] / st.scale
+                    c[:2] += max(LEVEL_RATE, 1.0 / (1.0 + PRIOR_ROWS + c[2])) * (np.array([raw, accepted[row]]) - c[:2])
+                    c[2] += 1
+                counts, run, censored = measured[n] if plan.tree_rows else ([], accepted[row], False)
                 chain = st.chain_run(run, censored and run < self.depth, level)  # the chain along the spine
                 if counts:  # a tree round: every smaller tree exactly, and the chain on the same row
                     st.measured(level, counts, chain)
