@@ -15,7 +15,8 @@ import torch
 
 from flashtree import LLM, EngineConfig, LLMEngine, SamplingParams
 from flashtree.engine import cost_model
-from flashtree.engine.policy import (AR, CHAIN, PROBE, PROBE_TOKENS, SCOUT, SETTLE_ROWS, Policy, RoundPlan, by_size,
+from flashtree.engine.cost_model import Grid
+from flashtree.engine.policy import (AR, BASE, CHAIN, PROBE, PROBE_TOKENS, SCOUT, SETTLE_ROWS, Policy, RoundPlan, by_size,
                                      fixed_plan)
 from flashtree.engine.runner import path_codes
 from flashtree.engine.sequence import Request
@@ -503,6 +504,22 @@ def test_a_class_seats_plain_only_if_none_of_its_recent_requests_would_draft():
     assert all(policy.admit(SamplingParams(), 1) for _ in range(SCOUT))
     st.recent = [0.0, 0.0]
     assert sum(policy.admit(SamplingParams(), 1) for _ in range(4 * SCOUT)) <= 4
+
+
+def test_a_class_that_pays_for_a_few_rows_of_a_batch_seats_requests_speculative():
+    """admit judges a batch as the planner does, with any number of its rows drafting: where the
+    drafter's pass is cheap for one or two rows and dear for sixteen, the chain pays for a few rows of
+    a batch of 16 but not for all of them, and a request joining that batch may draft."""
+    cost = synthetic_cost(1e-5)
+    cost.draft = Grid([1, 2, 16], [0, 15], [[1e-3, 1.2e-3], [2e-3, 2.4e-3], [0.5, 0.6]])
+    policy = Policy(cost, 16, 16, 64, 4096)
+    st = policy._stats(0)
+    st.level, st.level_rows = float(BASE), float(SETTLE_ROWS)  # measured, and keeping its whole base
+    ar_seconds, table = policy.seconds(16)
+    gains = policy.expected([0], [st.level])[0][0]
+    chain = policy.chain_arm
+    assert (16 + 16 * gains[chain]) / table[chain, 16] < 16 / ar_seconds < (16 + gains[chain]) / table[chain, 1]
+    assert all(policy.admit(SamplingParams(), 16) for _ in range(2 * SCOUT))
 
 
 def test_frozen_costs_plan_alike_whatever_each_rank_timed():

@@ -412,8 +412,9 @@ class Policy:
 
     def admit(self, params: SamplingParams, rows: int) -> bool:
         """May a request being seated ever draft? Not once its class is measured and no arm would pay
-        in the batch it joins even at the best own level of its last RECENT requests (then it costs
-        what an `ar` request does), but for one scout in SCOUT, whose rounds keep the class measured."""
+        in the batch it joins, with any number of its rows drafting, even at the best own level of its
+        last RECENT requests (then it costs what an `ar` request does), but for one scout in SCOUT,
+        whose rounds keep the class measured."""
         cls = sampling_class(params)
         st = self._stats(cls)
         if st.level_rows + self._stats(-1 - cls).level_rows < SETTLE_ROWS:  # openings included
@@ -421,7 +422,7 @@ class Policy:
         rows = max(1, min(rows, len(self.owner)))
         ar_seconds, table = self.seconds(rows, sampled=rows if cls else 0)
         gains = self.expected([cls], [max([st.level, *st.recent])])[0][0]
-        if ((rows + rows * gains) / table[:, rows]).max() > rows / ar_seconds:
+        if ((rows + np.arange(1, rows + 1) * gains[:, None]) / table[:, 1:]).max() > rows / ar_seconds:
             return True
         st.seated += 1.0 / SCOUT
         if st.seated >= 1.0:
