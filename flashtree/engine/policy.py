@@ -265,7 +265,7 @@ class Policy:
         out[opening, :-1], known[opening] = 0.0, KNOWN
         known[:, -1] = np.maximum(known[:, -1], 1)  # the chain rests on its prior from the start
         # A sampled row's acceptance is mostly noise, so rows chosen where their estimates run high keep less:
-        # kept / predicted over such rows of the class scales its estimates (at T = 0.7, a tenth was kept).
+        # kept / predicted over such rows of the class scales its estimates (greedy classes keep 1).
         calibrated = np.array([st.scale for st in stats])[idx][:, None]
         return np.minimum(out * calibrated, self.cap), known
 
