@@ -141,6 +141,12 @@ class ClassStats:
         self.seen[-1, level] = self.round
         return float(expected)
 
+    def calibrate(self, predicted: float, kept: int) -> None:
+        """A row chosen to draft on its (scaled) estimate `predicted` kept `kept` (priors: PRIOR_ROWS rows)."""
+        c = self.calibration
+        c[:2] += max(LEVEL_RATE, 1.0 / (1.0 + PRIOR_ROWS + c[2])) * (np.array([predicted / self.scale, kept]) - c[:2])
+        c[2] += 1
+
     @property
     def scale(self) -> float:  # kept / predicted, bounded so a class on AR steps drafts again where raw estimates soar
         return min(max(self.calibration[1] / max(self.calibration[0], 1e-9), SCALE_MIN), 1 / SCALE_MIN)
@@ -388,11 +394,9 @@ class Policy:
             for n, (s, cls, level) in enumerate(zip(drafted, classes, bins)):
                 st = self._stats(cls)
                 row = plan.draft_rows[n]
-                if cls not in (0, -1) and not plan.explored and plan.predicted[row] > 0:  # sampled, chosen on estimate
-                    c = st.calibration  # its prediction before calibration, against what it kept
-                    raw = plan.predicted[row] / st.scale
-                    c[:2] += max(LEVEL_RATE, 1.0 / (1.0 + PRIOR_ROWS + c[2])) * (np.array([raw, accepted[row]]) - c[:2])
-                    c[2] += 1
+                sampled = (cls if cls >= 0 else -1 - cls) > 0  # an opening's class is -1 - its sampling class
+                if sampled and not plan.explored and plan.predicted[row] > 0:  # a row chosen on its estimate
+                    st.calibrate(plan.predicted[row], accepted[row])
                 counts, run, censored = measured[n] if plan.tree_rows else ([], accepted[row], False)
                 chain = st.chain_run(run, censored and run < self.depth, level)  # the chain along the spine
                 if counts:  # a tree round: every smaller tree exactly, and the chain on the same row

@@ -14,7 +14,7 @@ import torch
 _LIB = torch.library.Library("flashtree", "DEF")
 
 
-def opaque(schema: str, fn: Callable, fake: Callable) -> torch._ops.OpOverload:
+def opaque(schema: str, fn: Callable, fake: Callable) -> Callable:
     """flashtree::<schema> running `fn` on every device, traced through `fake` (output shapes only)."""
     name = schema.split("(", 1)[0]
     _LIB.define(schema)
