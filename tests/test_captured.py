@@ -12,6 +12,8 @@ from torch._dynamo.utils import counters
 
 from flashtree import LLM, SamplingParams
 from flashtree.engine.graphs import Piece
+from flashtree.engine.policy import fixed_plan
+from flashtree.engine.shapes import batch_bucket
 from tests.test_qwen3_5 import make_qwen35
 from tests.tiny import make_drafter, make_target
 
@@ -144,7 +146,75 @@ def test_rounds_are_captured_for_every_batch_and_key_bucket(pairs):
     target, drafter = pairs["dense"]
     llm = LLM(target, drafter, method="dflash", device="cpu", max_batch=3, max_model_len=192, capture=True)
     graphs = llm.engine.runner.graphs
-    keys = sorted({k for _, k in graphs.rounds})
-    assert sorted({b for b, _ in graphs.rounds}) == [1, 2, 4]
+    keys = sorted({k for _, k, _ in graphs.rounds})
+    assert sorted({b for b, _, _ in graphs.rounds}) == [1, 2, 4] and {a for _, _, a in graphs.rounds} == {None}
     assert keys[-1] == llm.engine.runner.cache.max_len and keys[0] == 128
     assert llm.engine.capture_seconds > 0
+
+
+def auto_engine(pair, max_batch=3, max_round_tokens=4096):
+    return LLM(*pair, method="ddtree", budget="auto", device="cpu", max_batch=max_batch, max_model_len=192,
+               capture=True, cost_cache="off", max_round_tokens=max_round_tokens)
+
+
+def test_auto_captures_every_arm_it_may_play(pairs):
+    """budget="auto" captured: per batch bucket, AR steps, the chain and every power-of-two tree up to
+    max_budget whose window fits max_round_tokens at the bucket's fewest real rows, and only those."""
+    llm = auto_engine(pairs["dense"], max_batch=4, max_round_tokens=40)
+    runner = llm.engine.runner
+    policy = runner.policy
+    assert policy.grid == [1 << i for i in range(len(policy.grid))] and policy.grid[-1] == runner.config.max_budget
+    assert runner.deferred is None  # a captured round appends every row's drafter context
+    for b in (1, 2, 4):
+        arms = {a for rb, _, a in runner.graphs.rounds if rb == b}
+        fits = {a for a in range(policy.chain_arm + 1) if policy.arm_plan(a, b).window <= 40 // (b // 2 + 1)}
+        assert arms == fits | {None}
+    assert policy.chain_arm in {a for _, _, a in runner.graphs.rounds}  # the chain's window (8) fits every bucket
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_auto_captured_rounds_of_every_arm_give_ar_tokens(pairs, kind, temperature):
+    """Captured auto rounds, each round a different arm (AR steps, the chain, every tree size) with a
+    different subset of the rows drafting (the rest drop their drafts): every request gets the tokens
+    uncaptured AR gives it, greedy and seeded, and the drafted nodes that rows keep are committed."""
+    from dataclasses import replace
+
+    params = SamplingParams(temperature=temperature, top_k=8, max_tokens=40, ignore_eos=True, seed=7)
+    ref = [o.token_ids for o in generate(pairs[kind], "ar", 1, params, captured=False)]
+    llm = auto_engine(pairs[kind])
+    runner, policy = llm.engine.runner, llm.engine.runner.policy
+    turn = iter(range(10**6))
+    planned = []
+
+    def plan(reqs):
+        i, R = next(turn), len(reqs)
+        arm = [None, *range(policy.chain_arm + 1)][i % (policy.chain_arm + 2)]
+        if arm is None or (batch_bucket(R), 256, arm) not in runner.graphs.rounds:
+            return fixed_plan(R, "ar", runner.block_size, 0)
+        rows = [r for r in range(R) if (i >> r) & 1 or R == 1]
+        base = policy.arm_plan(arm, R)
+        modes = [base.modes[0] if r in rows else 0 for r in range(R)]
+        planned.append((arm, len(rows), R))
+        return replace(base, modes=modes, draft_rows=rows, tree_rows=len(rows) if base.tree_rows else 0)
+
+    policy.plan = plan
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == ref
+    assert {a for a, _, _ in planned} == set(range(policy.chain_arm + 1))  # every arm was played
+    assert any(k < R for _, k, R in planned)  # with some rows on AR steps beside drafting ones
+    assert max(max(o.stats.accept_lengths) for o in outs) >= 2
+    # A row on AR steps emits its root's pick alone, even in a round where other rows draft.
+    assert all(n == 1 for o in outs for m, n in zip(o.stats.modes, o.stats.accept_lengths) if m == "ar")
+
+
+def test_auto_captured_plays_its_own_plans_and_keeps_ar_tokens(pairs):
+    """The policy itself planning captured rounds (priced at the batch bucket, every row drafting):
+    greedy requests through three slots keep AR's tokens, and it drafts."""
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    ref = [o.token_ids for o in generate(pairs["dense"], "ar", 1, params, captured=False)]
+    llm = auto_engine(pairs["dense"])
+    assert llm.engine.runner.policy.cost.bucket(3) == 4
+    outs = llm.generate(PROMPTS * 2, params)
+    assert [o.token_ids for o in outs] == ref * 2
+    assert any(m != "ar" for o in outs for m in o.stats.modes)

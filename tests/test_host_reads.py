@@ -114,7 +114,7 @@ def _has_bool_index(index) -> bool:
 @pytest.mark.parametrize("method,budget", [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", "auto"), ("mtp", 1)])
 def test_a_round_reads_the_device_once(pairs, monkeypatch, kind, method, budget, shapes):
     """static: shapes padded to buckets (3 requests -> 4 rows, the 4th on the dummy slot);
-    captured: capture=True, rounds replayed from start-up captures (budget="auto" runs eagerly).
+    captured: capture=True, rounds replayed from start-up captures (budget="auto": one per arm).
     wide: V = 300, past the sampler's first candidate level, on the sampler path an accelerator
     takes (the CPU's own path may read a few masks to settle top-p, where reads are free)."""
     if kind == "wide":

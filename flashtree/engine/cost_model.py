@@ -115,10 +115,20 @@ class CostModel:
         self.scale = 1.0  # whole-round correction when stages are not timed separately (GPU, no sync)
         self.refined = 0  # rounds folded in
         self.frozen = False  # no online refinement (tensor parallelism: every rank must plan alike)
+        self.bucket: Callable[[int], int] | None = None  # captured rounds: rows -> the batch bucket they run as
+
+    def _padded(self, rows, drafting):
+        """A captured round runs its batch bucket, every row drafting where any does."""
+        if self.bucket is None:
+            return rows, drafting
+        rows = self.bucket(rows)
+        return rows, np.where(np.asarray(drafting) > 0, rows, 0)
 
     def round_seconds(self, rows: int, window: int, drafting: int | np.ndarray, depth: int,
                       tree_rows: int | np.ndarray, budget: int, keys: int = CONTEXT, sampled: int = 0):
         """A plan's seconds (an array over drafting rows where `drafting` is one)."""
+        _, tree_rows = self._padded(rows, tree_rows)
+        rows, drafting = self._padded(rows, drafting)
         verify, draft, noise = self.extra(rows, window, drafting, keys, sampled, min(window, depth + 1))
         t = float(self.verify(rows, window)) + float(self.overhead(rows, 1 if np.any(drafting) else 0)) + noise
         if np.any(drafting):  # drafting and tree_rows may be arrays (one table row at once)
@@ -131,6 +141,7 @@ class CostModel:
         """What the tables (greedy, CONTEXT keys deep) leave out: (verify, drafter pass) seconds of `keys`
         committed keys a row (negative below CONTEXT), and the seeded noise of `sampled` rows over `window`
         nodes at `positions` distinct positions (nodes at one depth share it). Numpy arrays broadcast."""
+        rows, drafting = self._padded(rows, drafting)
         per_row, per_node, per_draft = self.keys
         first, node, position = self.sample
         deeper = keys - CONTEXT

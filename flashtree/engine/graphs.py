@@ -1,9 +1,12 @@
-"""Captured rounds: a fixed method's round at fixed shapes, replayed through static buffers.
+"""Captured rounds: a round at fixed shapes, replayed through static buffers.
 
 As nano-vllm does for decoding, every shape a round can take is captured before the first request:
-one `CapturedRound` per (batch bucket, key bucket), all sharing one memory pool. A round is two
-captured pieces with the sampler between them, whose code path depends on how the batch samples
-(greedy, temperature, top-k/top-p), which a graph cannot branch on:
+one `CapturedRound` per (batch bucket, key bucket, plan), all sharing one memory pool. A fixed
+method has one plan; budget="auto" has one per arm it may play (AR steps, the chain, each tree
+size), every row drafting, with a static per-row flag that turns the drafts of rows the policy
+keeps on AR steps into padding. A round is two captured pieces with the sampler between them,
+whose code path depends on how the batch samples (greedy, temperature, top-k/top-p), which a
+graph cannot branch on:
 
 1. forward: the drafter's block, the tree (or chain), the target's verify -> logits and features;
 2. commit: the accept walk, the KV compaction and the drafter's context append.
@@ -67,28 +70,33 @@ class Piece:
 
 
 class CapturedRound:
-    """Static inputs and the two pieces of one (batch bucket, key bucket) round."""
+    """Static inputs and the two pieces of one (batch bucket, key bucket, plan) round."""
 
-    def __init__(self, runner, rows: int, key_len: int, dummy: int, pool, cuda: bool, shared: dict) -> None:
+    def __init__(self, runner, rows: int, key_len: int, arm: int | None, dummy: int, pool, cuda: bool,
+                 shared: dict) -> None:
         device = runner.device
         self.rows, self.key_len = rows, key_len
         self.slots = torch.full((rows,), dummy, dtype=torch.long, device=device)
         self.starts = torch.zeros(rows, dtype=torch.long, device=device)
         self.roots = torch.zeros(rows, dtype=torch.long, device=device)
+        self.drafting = torch.ones(rows, dtype=torch.bool, device=device)  # auto: rows whose drafts count
         self.cuda = cuda
         self.batch = batch = SlotBatch.captured(self.slots, self.starts)
-        self.forward = Piece(lambda: runner.captured_forward(batch, self.roots, key_len), pool, cuda,
-                             shared.setdefault("forward", {}), ("logits", "positions"))
+        plan = runner.captured_plan(arm, rows)
+        self.forward = Piece(lambda: runner.captured_forward(batch, self.roots, key_len, plan, self.drafting), pool,
+                             cuda, shared.setdefault("forward", {}), ("logits", "positions"))
         n = self.forward.result["logits"].shape[1]
         self.picks = torch.zeros(rows, n, dtype=torch.long, device=device)
         # The commit reads the forward's state: on CUDA the captured one, whose tensors every
         # replay rewrites in place; on the CPU the latest replay's.
         self._state = self.forward.result
         state = (lambda: self.forward.result) if cuda else (lambda: self._state)
-        self.commit = Piece(lambda: runner.captured_commit(state(), self.picks, key_len), pool, cuda,
-                            shared.setdefault("commit", {}), ("num_nodes", "tokens", "path"))
+        self.commit = Piece(lambda: runner.captured_commit(state(), self.picks, key_len, plan), pool, cuda,
+                            shared.setdefault("commit", {}),
+                            ("num_nodes", "tokens", "path") + (("codes",) if plan.measure else ()))
 
-    def run_forward(self, slots: Tensor, starts: Tensor, roots: Tensor, first: int | None = None) -> dict:
+    def run_forward(self, slots: Tensor, starts: Tensor, roots: Tensor, first: int | None = None,
+                    drafting: Tensor | None = None) -> dict:
         """Replay the forward on these inputs (device tensors of `rows` entries). `first`: the
         slots are first..first+rows-1; an eager (CPU) replay then reads the cache through a view
         where a graph, whose code path is fixed, always gathers."""
@@ -97,6 +105,8 @@ class CapturedRound:
         self.slots.copy_(slots)
         self.starts.copy_(starts)
         self.roots.copy_(roots)
+        if drafting is not None:
+            self.drafting.copy_(drafting)
         self._state = self.forward.replay()
         return self._state
 
@@ -106,21 +116,23 @@ class CapturedRound:
 
 
 class RoundGraphs:
-    """Every CapturedRound a fixed-method engine can meet: batch buckets x key buckets."""
+    """Every CapturedRound an engine can meet: batch buckets x key buckets x the plans (arms) a
+    batch bucket may play (runner.captured_arms)."""
 
     @torch.inference_mode()  # like every round: no autograd state, and the buffers are inference tensors
     def __init__(self, runner, batch_buckets: list[int], key_buckets: list[int], dummy: int,
                  progress: bool = True) -> None:
         cuda = runner.device.type == "cuda"
         pool = torch.cuda.graph_pool_handle() if cuda else None
-        self.rounds: dict[tuple[int, int], CapturedRound] = {}
+        self.rounds: dict[tuple[int, int, int | None], CapturedRound] = {}
         t0 = time.perf_counter()
-        shapes = [(b, k) for b in sorted(batch_buckets, reverse=True) for k in sorted(key_buckets, reverse=True)]
         # Largest first, so later captures reuse the pool's blocks (as nano-vllm does).
-        shared: dict[int, dict] = {}  # per batch bucket: the static outputs all its key buckets write
-        for b, k in tqdm(shapes, desc="capturing rounds", unit="shape", file=sys.stderr, disable=not progress):
-            self.rounds[b, k] = CapturedRound(runner, b, k, dummy, pool, cuda, shared.setdefault(b, {}))
+        shapes = [(b, k, arm) for b in sorted(batch_buckets, reverse=True) for arm in runner.captured_arms(b)
+                  for k in sorted(key_buckets, reverse=True)]
+        shared: dict[tuple, dict] = {}  # per batch bucket and plan: the static outputs all its key buckets write
+        for b, k, arm in tqdm(shapes, desc="capturing rounds", unit="shape", file=sys.stderr, disable=not progress):
+            self.rounds[b, k, arm] = CapturedRound(runner, b, k, arm, dummy, pool, cuda, shared.setdefault((b, arm), {}))
         self.seconds = time.perf_counter() - t0
 
-    def get(self, rows: int, key_len: int) -> CapturedRound:
-        return self.rounds[rows, key_len]
+    def get(self, rows: int, key_len: int, arm: int | None = None) -> CapturedRound:
+        return self.rounds[rows, key_len, arm]

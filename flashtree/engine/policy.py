@@ -163,10 +163,11 @@ class ClassStats:
 class Policy:
     """Plans rounds for the rows of a batch; learns from the rounds it planned (observe)."""
 
-    def __init__(self, cost: CostModel, slots: int, block_size: int, max_budget: int, max_round_tokens: int) -> None:
+    def __init__(self, cost: CostModel, slots: int, block_size: int, max_budget: int, max_round_tokens: int,
+                 grid: tuple[int, ...] = GRID) -> None:
         self.cost = cost
         self.depth = block_size - 1
-        self.grid = [b for b in GRID if b < max_budget] + [max_budget]
+        self.grid = [b for b in grid if b < max_budget] + [max_budget]  # the tree sizes it may play
         self.chain_arm = len(self.grid)
         self.cap = np.minimum(np.append(self.grid, self.depth), self.depth)  # the most each arm can keep
         self.windows = np.append(self.grid, [self.depth, 0]) + 1.0  # each arm's verify window, AR's last

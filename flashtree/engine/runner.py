@@ -29,9 +29,9 @@ from flashtree.engine.draft_context import DeferredContext
 from flashtree.engine.graphs import RoundGraphs
 from flashtree.engine.logprobs import pack, unpack
 from flashtree.engine.mtp_draft import MTPDraft
-from flashtree.engine.policy import AR, Policy, RoundPlan, by_size, fixed_plan
+from flashtree.engine.policy import AR, GRID, Policy, RoundPlan, by_size, fixed_plan
 from flashtree.engine.sequence import Request, TokenLogprob
-from flashtree.engine.shapes import batch_bucket, budget_bucket, key_bucket, prefill_chunks
+from flashtree.engine.shapes import TREE_BUCKETS, batch_bucket, budget_bucket, key_bucket, prefill_chunks
 from flashtree.engine.staging import Staging
 from flashtree.errors import FlashtreeError
 from flashtree.models.compiled import compile_drafter, compile_stack
@@ -46,7 +46,7 @@ from flashtree.sampling import SamplingParams
 from flashtree.models.tree_attention import check_kernels
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree, chain_spec
 from flashtree.tree.markov import build_markov_chain, build_markov_tree
-from flashtree.tree.mix import place_rows, root_only
+from flashtree.tree.mix import drop_drafts, place_rows, root_only
 
 SAVE_AFTER = 256  # rounds of online refinement after which the cost cache is rewritten (once)
 # Plain AR rounds are timed for the policy one in this many. Between two forwards the host's
@@ -139,6 +139,7 @@ class ModelRunner:
         self.pads = [padding_request(config.max_batch) for _ in range(self.max_rows - 1)] if self.static else []
         self.cache = target.new_cache(slots, cache_len)
         self.draft_cache = drafter.new_cache(slots, cache_len) if drafter is not None else None
+        captured = captured and not isinstance(self.draft_cache, SlidingDraftCache)
         if device.type != "cpu" and self.method == "ddtree":
             check_kernels(device, self.cache.dtype)  # before any capture: every tree verify reads its answer
         cpu_alone = device.type == "cpu" and config.tensor_parallel_size == 1  # tensor parallelism stays eager
@@ -172,9 +173,14 @@ class ModelRunner:
                                                           config.max_batch, self.max_window, config.max_budget,
                                                           "off" if tp else config.cost_cache,
                                                           float("inf") if tp else DEFAULT_SECONDS, self.use_selector)
-            self.policy = Policy(cost, config.max_batch, self.block_size, config.max_budget, config.max_round_tokens)
-            w = drafter.fc.weight
-            self.deferred = DeferredContext(config.max_batch, w.shape[1], w.dtype, device)
+            # Captured, every plan is a graph: trees of power-of-two sizes, priced at the batch bucket.
+            self.policy = Policy(cost, config.max_batch, self.block_size, config.max_budget, config.max_round_tokens,
+                                 TREE_BUCKETS if captured else GRID)
+            if captured:
+                cost.bucket = batch_bucket
+            else:  # a captured round appends every row's drafter context itself
+                w = drafter.fc.weight
+                self.deferred = DeferredContext(config.max_batch, w.shape[1], w.dtype, device)
         self.last_plan: RoundPlan | None = None
         self._draft_pass = 0.0
         self._last_end: float | None = None  # when the previous round returned (the engine's time between counts)
@@ -182,7 +188,7 @@ class ModelRunner:
         self.prompt_logits: dict[int, Tensor] = {}  # slot -> its complete prompt's last logits, until start_samples
         self.saved_states: dict[int, RecurrentState] = {}  # prefix reuse on a hybrid target: key -> state
         self.graphs: RoundGraphs | None = None
-        if captured and self.policy is None and not isinstance(self.draft_cache, SlidingDraftCache):
+        if captured:
             keys = sorted({key_bucket(n, self.cache.max_len) for n in range(1, self.cache.max_len + 1)})
             buckets = [b for b in (1 << i for i in range(self.max_rows.bit_length())) if b <= self.max_rows]
             self.graphs = RoundGraphs(self, buckets, keys, dummy=config.max_batch, progress=progress)
@@ -210,7 +216,7 @@ class ModelRunner:
     def admit(self, req: Request, rows: int) -> None:
         """Decide, as a request is seated into a batch of `rows` requests (itself included),
         whether it may ever draft (see Policy.admit)."""
-        req.speculative = self.policy is None or self.policy.admit(req.params, rows)
+        req.speculative = self.policy is None or self.graphs is not None or self.policy.admit(req.params, rows)
 
     def seat(self, slot: int, source: int | None, length: int, state_key: int | None = None,
              speculative: bool = True) -> int:
@@ -401,22 +407,42 @@ class ModelRunner:
                 self.mtp.accept(batch, spec, walk.path, out.features, counts)
         self.last_plan = plan
         if self.policy is not None:
-            # A round's cost includes the engine's work between rounds (emitting, scheduling):
-            # throughput is tokens over wall time. A long gap is an idle engine, not work. Plain
-            # AR rounds teach only their time, and a sample of them keeps it current.
-            end = time.perf_counter()
-            if plan.drafting or self.policy.rounds % AR_TIMED_EVERY == 0:
-                gap = t0 - self._last_end if self._last_end is not None else 0.0
-                self.learn(plan, slots, counts, end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0), held, paths)
-            self._last_end = time.perf_counter()
+            self.timed(plan, slots, counts, t0, held, paths)
         return emitted, dict(self.clock.seconds), logprobs
+
+    def timed(self, plan: RoundPlan, slots: list[int], counts: list[int], t0: float, held: tuple[float, int],
+              paths: list[list[int]] | None) -> None:
+        """A round's cost includes the engine's work between rounds (emitting, scheduling):
+        throughput is tokens over wall time. A long gap is an idle engine, not work. Plain AR
+        rounds teach only their time, and a sample of them keeps it current."""
+        end = time.perf_counter()
+        if plan.drafting or self.policy.rounds % AR_TIMED_EVERY == 0:
+            gap = t0 - self._last_end if self._last_end is not None else 0.0
+            self.learn(plan, slots, counts, end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0), held, paths)
+        self._last_end = time.perf_counter()
 
     # ---- captured rounds (compile=True, a fixed method) --------------------------------------
 
-    def captured_forward(self, batch: SlotBatch, roots: Tensor, key_len: int) -> dict:
+    def captured_plan(self, arm: int | None, rows: int) -> RoundPlan:
+        """What a captured round runs: a fixed method's plan, or under budget="auto" one arm's
+        (a tree of the policy's grid or the chain) for every row, None being AR steps."""
+        if self.policy is None:
+            return self.fixed_round_plan(rows)
+        return fixed_plan(rows, "ar", self.block_size, 0) if arm is None else self.policy.arm_plan(arm, rows)
+
+    def captured_arms(self, rows: int) -> list[int | None]:
+        """The plans captured for a batch bucket of `rows`: a fixed method's one; auto's AR steps
+        and every arm whose window fits max_round_tokens at the fewest real rows the bucket holds."""
+        if self.policy is None:
+            return [None]
+        fits = self.config.max_round_tokens // (rows // 2 + 1)
+        arms = range(self.policy.chain_arm + 1)
+        return [None] + [a for a in arms if self.policy.arm_plan(a, rows).window <= fits]
+
+    def captured_forward(self, batch: SlotBatch, roots: Tensor, key_len: int, plan: RoundPlan,
+                         drafting: Tensor) -> dict:
         """A captured round's first piece: the drafter's block (or the MTP head's k steps), the tree
-        or chain, the verify."""
-        plan = self.fixed_round_plan(batch.size)
+        or chain, the verify. Under auto, rows not `drafting` verify their root alone."""
         if self.mtp is not None:
             spec = self.mtp.draft(batch, roots, key_len)
         elif plan.drafting:
@@ -424,14 +450,17 @@ class ModelRunner:
             spec = self.build(roots, logits, markov, plan.budget if plan.tree_rows else 0)
             if plan.tree_rows:
                 spec = self.static_depth(spec, min(logits.shape[1], plan.budget))
+            if self.policy is not None:
+                spec = drop_drafts(spec, drafting)
         else:
             spec = chain_spec(roots[:, None])
         ctx, out = self._verify(batch, spec, key_len, self.drafter is not None or self.mtp is not None)
         return {"logits": out.logits, "positions": ctx.positions, "features": out.features, "spec": spec, "ctx": ctx}
 
-    def captured_commit(self, state: dict, picks: Tensor, key_len: int) -> dict:
+    def captured_commit(self, state: dict, picks: Tensor, key_len: int, plan: RoundPlan) -> dict:
         """A captured round's second piece, given every node's pick: the accept walk, the KV
-        compaction (padding rows included: they sit on the dummy slot) and the drafter's context."""
+        compaction (padding rows included: they sit on the dummy slot), the drafter's context for
+        every row, and under auto the accepted path's codes where the plan measures trees."""
         walk = accept_walk(state["spec"], picks)
         ctx = state["ctx"]
         self.cache.compact(ctx, walk.path, walk.num_nodes)
@@ -439,37 +468,50 @@ class ModelRunner:
             self._append(ctx.batch, state["features"], walk.path, key_len)
         elif self.mtp is not None:
             self.mtp.keep(ctx.batch, state["spec"], walk.path, state["features"])
-        return {"num_nodes": walk.num_nodes, "tokens": walk.tokens, "path": walk.path}
+        codes = {"codes": path_codes(state["spec"], walk.path)} if plan.measure else {}
+        return {"num_nodes": walk.num_nodes, "tokens": walk.tokens, "path": walk.path, **codes}
 
     def step_captured(self, reqs: list[Request]
                       ) -> tuple[list[list[int]], dict[str, float], list[list[TokenLogprob] | None]]:
         """One round replayed from the captured ones: inputs into static buffers, the sampler
         between the two pieces, one host read, then the host's lengths."""
-        real = len(reqs)
+        t0, real = time.perf_counter(), len(reqs)
+        plan = self.policy.plan(reqs) if self.policy is not None else None
         reqs = reqs + self.pads[: batch_bucket(real) - real]
         slots = [r.slot for r in reqs]
         starts = [self.cache.lengths[s] for s in slots]
-        batch, roots, _ = self.inputs.upload(slots, starts, [r.bonus for r in reqs])
-        window = self.max_window if self.method != "ddtree" else 1 + self.round_budget(len(reqs))
+        # Under auto, a drafting plan's rows that take AR steps (and the padding) drop their drafts.
+        flags = None if plan is None else [int(i in plan.draft_rows) for i in range(len(reqs))]
+        batch, roots, drafting = self.inputs.upload(slots, starts, [r.bonus for r in reqs], flags)
+        if plan is not None:
+            window = plan.window
+        else:
+            window = self.max_window if self.method != "ddtree" else 1 + self.round_budget(len(reqs))
         key_len = key_bucket(max(starts) + window, self.cache.max_len)
-        captured = self.graphs.get(len(reqs), key_len)
+        captured = self.graphs.get(len(reqs), key_len, plan.arm if plan is not None else None)
         sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device,
                                        self.sampling_inputs)
         with self.clock.stage("verify"):
-            state = captured.run_forward(batch.slots, batch.starts, roots, batch.first)
+            state = captured.run_forward(batch.slots, batch.starts, roots, batch.first,
+                                         drafting.bool() if drafting is not None else None)
             spec = state["spec"]
             picks = pick(state["logits"], sampling, state["positions"] + 1, spec.depth_bound + 1)
         with self.clock.stage("commit"):
             out = captured.run_commit(picks)
             scores = self.round_logprobs(state["logits"], out["path"], out["tokens"], reqs, sampling)
-            counts, emitted, logprobs, _ = self.read_round(out["num_nodes"], out["tokens"], reqs, scores)
+            counts, emitted, logprobs, paths = self.read_round(out["num_nodes"], out["tokens"], reqs, scores,
+                                                               out.get("codes"))
             counts, emitted, logprobs = counts[:real], emitted[:real], logprobs[:real]
             self.cache.advance(batch, counts)
             if self.drafter is not None:
                 self.draft_cache.advance(batch, counts)
             elif self.mtp is not None:
                 self.mtp.advance(batch, counts)
-        self.last_plan = self.fixed_round_plan(len(reqs), real)
+        if plan is None:
+            self.last_plan = self.fixed_round_plan(len(reqs), real)
+            return emitted, dict(self.clock.seconds), logprobs
+        self.last_plan = plan
+        self.timed(plan, slots[:real], counts, t0, (0.0, 0), paths)
         return emitted, dict(self.clock.seconds), logprobs
 
     # ---- the plan: who drafts, and how ----------------------------------------------------
@@ -573,7 +615,8 @@ class ModelRunner:
         stages = {"verify": s.get("verify", 0.0), "draft_pass": self._draft_pass, "tree": s.get("tree", 0.0)}
         cost = self.policy.cost
         cost.refine(len(slots), plan.window, plan.drafting, plan.depth, plan.tree_rows, plan.budget,
-                    stages if self.timed_stages else None, seconds, keys=plan.keys, sampled=plan.sampled)
+                    stages if self.timed_stages and self.graphs is None else None, seconds, keys=plan.keys,
+                    sampled=plan.sampled)
         if cost.refined == SAVE_AFTER:  # keep what this run learned for the next start
             save(self.cost_path, self.cost_key, cost)
 

@@ -5,7 +5,8 @@ CUDA graphs are built once per bucket instead of once per round.
 - attended keys: multiples of 128 up to 1024, then powers of two, capped at the cache length
   (keys past a slot's window are masked, so padding them changes nothing);
 - window: a tree budget from the grid the speculation policy (budget="auto") plans with (a fixed budget
-  that fits is used as given), so every tree has 1 + budget nodes (build_tree pads short rows);
+  that fits is used as given), so every tree has 1 + budget nodes (build_tree pads short rows); a
+  captured auto round's tree is a power of two (TREE_BUCKETS), each one a captured plan;
 - prefill: chunks whose sizes are powers of two up to MAX_CHUNK (a prompt of 300 tokens runs as
   256 + 32 + 8 + 4), so no chunk needs padding and a chunk can be run on its own.
 """
@@ -17,6 +18,7 @@ from flashtree.engine.policy import GRID
 MAX_CHUNK = 512
 KEY_STEP = 128
 FINE_KEYS = 1024
+TREE_BUCKETS = tuple(1 << i for i in range(11))  # the tree sizes captured for budget="auto": 1 to 1024
 
 
 def power_of_two(n: int) -> int:

@@ -1,7 +1,10 @@
 """One verify window from drafted rows and lone roots (plain AR steps): the policy decides per
 request whether to draft. Lone roots get the builders' padding (token -1, parent 0, depth 1, score
--inf); drafted rows are put back at their batch rows on the device, without a host read.
+-inf); drafted rows are put back at their batch rows on the device, without a host read. A
+captured round drafts for every row and drops the drafts of the rows that take an AR step.
 """
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -35,3 +38,11 @@ def place_rows(base: TreeSpec, rows: Tensor, part: TreeSpec) -> TreeSpec:
                     scores=put(base.scores, part.scores) if scored else None,
                     ranks=put(base.ranks.expand_as(base.tokens), part.ranks) if ranked else None,
                     first=put(base.first.expand_as(base.tokens), part.first) if ranked else None)
+
+
+def drop_drafts(spec: TreeSpec, keep: Tensor) -> TreeSpec:
+    """spec with the drafted nodes of rows where keep [R] (bool) is False turned to padding (token
+    -1): no pick matches them, so the walk accepts the root alone and emits its pick, the AR step's
+    token. The window keeps its shape (a captured round's) and a chain stays a chain."""
+    drafted = torch.arange(spec.num_nodes, device=keep.device) > 0
+    return dataclasses.replace(spec, tokens=spec.tokens.masked_fill(drafted & ~keep[:, None], -1))
