@@ -6,7 +6,7 @@ start-up (capture=True, what compile=True turns on on CUDA) and each engine runs
 request before it is timed; stage timing stays off, so no round waits for the device except at its
 one read. It checks and times:
 
-1. greedy ar == dflash == ddtree (B = 16, 64) == auto == mtp (k = 3) on CUDA, eager and captured
+1. greedy ar == dflash == ddtree (B = 16, 64, auto) == mtp (k = 3) on CUDA, eager and captured
    (CUDA graphs), on the embedded demo pair (float32, its trained MTP head) and on a tiny random
    hybrid (Gated DeltaNet) target (a random MTP head);
 2. on Qwen3-8B-shaped random bf16 weights (written to disk here, which also times a TP=1 load):
@@ -21,7 +21,8 @@ one read. It checks and times:
 5. budget="auto" on the device (issue 42's grid, the demo pair): auto against ar, dflash and
    ddtree B = 16, 32 per temperature (0, 0.7, 1) x batch (1, 4, 8, 16), all requests at once,
    prompts cut from the sources of torch's own dependencies (never tuned on), outputs capped at
-   64 tokens, the engines interleaved and timed by wall clock (benchmarks/policy_heldout.py).
+   64 tokens, every engine captured (auto: one graph per arm), the engines interleaved and timed by
+   wall clock (benchmarks/policy_heldout.py).
 
     python benchmarks/gpu_check.py --out /tmp/gpu_check      # -> gpu_check.json + gpu_check.md
 
@@ -136,7 +137,8 @@ def identical_checks(deadline: Deadline, report: dict, workdir: Path) -> None:
         head = None if name == "demo" else str(Path(target) / "mtp-head")  # None: the demo's own
         for method, budget, captured in [("ar", 1, True), ("dflash", 16, False), ("dflash", 16, True),
                                          ("ddtree", 16, False), ("ddtree", 16, True), ("ddtree", 64, False),
-                                         ("ddtree", 64, True), ("ddtree", "auto", False), ("mtp", 3, False),
+                                         ("ddtree", 64, True), ("ddtree", "auto", False), ("ddtree", "auto", True),
+                                         ("mtp", 3, False),
                                          ("mtp", 3, True)]:
             shown = {"ar": "", "dflash": "", "mtp": f" k={budget}"}.get(method, f" B={budget}")
             label = f"{name}: {method}{shown}{' captured' if captured else ''}"
@@ -226,7 +228,7 @@ def policy_grid_checks(deadline: Deadline, report: dict) -> None:
     base = policy_heldout.engine("ar", 1, None, None, DEVICE)
     texts = policy_heldout.heldout_prompts(32, packages=packages)
     run = policy_heldout.CellSettings(GRID_LABELS + [policy_heldout.TWIN], per_batch=1, passes=1, device=DEVICE,
-                                      max_tokens=64)
+                                      max_tokens=64, capture=DEVICE == "cuda")
     rows = []
     for t in (0.0, 0.7, 1.0):
         for b in (1, 4, 8, 16):
@@ -395,6 +397,7 @@ def qwen3_8b_checks(deadline: Deadline, report: dict, workdir: Path) -> None:
     section["copy_bandwidth_gb_s"] = copy_bandwidth() / 1e9
     plan = [(c, b, m, budget) for c in (True, False) for b in (1, 8)
             for m, budget in (("ar", 1), ("ddtree", 16), ("ddtree", 64), ("ddtree", 256))]
+    plan.append((True, 1, "ddtree", "auto"))  # captured auto over random drafts: what its rounds cost beside AR
     rows = round_rows(target, drafter, plan, deadline, "bfloat16")
     section["weight_bytes"] = rows.pop(0)["weight_bytes"]
     section["tp1_load_seconds"] = rows.pop(0)["load_seconds"]

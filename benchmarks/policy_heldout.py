@@ -71,13 +71,14 @@ def heldout_prompts(n: int, seed: int = 0, packages: tuple[str, ...] = PACKAGES)
     return [p for pair in zip(code, prose) for p in pair][:n]
 
 
-def engine(label: str, batch: int, base: LLMEngine | None, drafter: str | None, device: str | None = None
-           ) -> LLMEngine:
-    method, budget = ("ddtree", "auto") if label == "auto" else ("ar" if label == TWIN else label, 64)
+def engine(label: str, batch: int, base: LLMEngine | None, drafter: str | None, device: str | None = None,
+           capture: bool = False) -> LLMEngine:
+    method, budget = ("ddtree", "auto") if label.startswith("auto") else ("ar" if label == TWIN else label, 64)
+    capture = capture or label == "auto-captured"  # auto's rounds captured, beside eager auto
     if label.startswith("ddtree-"):
         method, budget = "ddtree", int(label.split("-")[1])
     cfg = EngineConfig(drafter=drafter, method=method, budget=budget, max_budget=64, max_batch=batch,
-                       max_model_len=1024, prefix_cache=False, device=device)
+                       max_model_len=1024, prefix_cache=False, device=device, capture=capture)
     return LLMEngine(cfg, share_weights=base)
 
 
@@ -120,6 +121,7 @@ class CellSettings:
     drafter: str | None = None  # default: the demo's DFlash2 drafter
     device: str | None = None
     max_tokens: int | None = None  # a cap on every request's output length
+    capture: bool = False  # every engine's rounds captured at start-up (CUDA graphs on a GPU)
 
 
 def run_cell(base: LLMEngine, texts: list[str], t: float, b: int, shape: str, run: CellSettings) -> dict:
@@ -130,14 +132,14 @@ def run_cell(base: LLMEngine, texts: list[str], t: float, b: int, shape: str, ru
     ids = [base.encode(x)[-400:] for x in texts[:n]]
     lengths = [min(LENGTHS[i % len(LENGTHS)], run.max_tokens or LENGTHS[-1]) for i in range(n)]
     params = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True, seed=1000 + i) for i, m in enumerate(lengths)]
-    engines = {label: engine(label, b, base, run.drafter, run.device) for label in labels}
+    engines = {label: engine(label, b, base, run.drafter, run.device, run.capture) for label in labels}
     cells = {label: GridCell(t, b, label) for label in labels}
     clock = time.perf_counter if base.device.type == "cuda" else time.process_time
     for p in range(run.passes):
         run_interleaved([Arrivals(engines[label], ids, params, cells[label], 0 if shape == "at-once" else 2, clock)
                          for label in labels], seed=1000 * p + 10 * b + round(10 * t) + (shape == "gradual"))
     rate = {label: c.tokens_per_s for label, c in cells.items()}
-    fixed = {k: v for k, v in rate.items() if k not in ("auto", TWIN)}
+    fixed = {k: v for k, v in rate.items() if not k.startswith("auto") and k != TWIN}
     top = max(fixed, key=fixed.get)
     row = {"temperature": t, "batch": b, "shape": shape, "requests": n, "tok_s": rate,
            "best_fixed": top, "auto_x_best": rate["auto"] / fixed[top], "auto_x_ar": rate["auto"] / rate["ar"],
@@ -160,16 +162,18 @@ def main() -> None:
     ap.add_argument("--packages", nargs="+", default=list(PACKAGES),
                     help="installed packages whose sources give the prompts (a second held-out set: "
                          "starlette anyio httpx jinja2 requests)")
-    ap.add_argument("--labels", nargs="+", default=LABELS, help="engines to compare; auto is always one")
+    ap.add_argument("--labels", nargs="+", default=LABELS,
+                    help="engines to compare; auto is always one (auto-captured: auto with captured rounds)")
     ap.add_argument("--drafter", default=None, help="default: the demo's DFlash2 drafter")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu (cuda: timed by wall clock)")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap every request's output length")
+    ap.add_argument("--capture", action="store_true", help="capture every engine's rounds at start-up")
     ap.add_argument("--out")
     args = ap.parse_args()
     labels = list(dict.fromkeys([*args.labels, "auto", TWIN]))
     base = engine("ar", 1, None, args.drafter, args.device)
     texts = heldout_prompts(max(8, args.per_batch * max(args.batches)) * 2, packages=tuple(args.packages))
-    run = CellSettings(labels, args.per_batch, args.passes, args.drafter, args.device, args.max_tokens)
+    run = CellSettings(labels, args.per_batch, args.passes, args.drafter, args.device, args.max_tokens, args.capture)
     rows = [run_cell(base, texts, t, b, shape, run)
             for t in args.temperatures for b in args.batches for shape in args.shapes]
     worst_best = min(rows, key=lambda r: r["auto_x_best"])

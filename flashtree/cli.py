@@ -160,7 +160,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: cuda if available)")
     p.add_argument("--dtype", help="float32, bfloat16, float16, float64 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--compile", action="store_true",
-                   help="prepare every shape at start-up: on cuda, capture a fixed method's rounds as CUDA graphs; "
+                   help="prepare every shape at start-up: on cuda, capture the rounds (auto's too) as CUDA graphs; "
                         "on cpu, compile a dense target's and the DFlash drafter's layers with inductor (every method, "
                         "auto included)")
     p.add_argument("--tensor-parallel-size", "--tp", type=positive_int, default=1,

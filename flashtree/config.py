@@ -44,9 +44,9 @@ class EngineConfig:
     prefix_cache: bool = True  # reuse the K/V of a prompt prefix some cache slot already holds
     tensor_parallel_size: int = 1  # ranks the target is split over (flashtree starts the N - 1 workers)
     use_selector: bool | None = None  # DFlash2 drafters: None = use the selector; False = marginal trees (build_tree)
-    # Prepare every shape at start-up, never inside a request. On cuda: capture a fixed method's
-    # rounds, one per (batch bucket, key bucket), and replay them as CUDA graphs (budget="auto" runs
-    # eagerly). On cpu: compile a dense target's decoder stack and the DFlash drafter's layers with
+    # Prepare every shape at start-up, never inside a request. On cuda: capture the rounds, one per
+    # (batch bucket, key bucket, and under budget="auto" each arm it may play), and replay them as
+    # CUDA graphs. On cpu: compile a dense target's decoder stack and the DFlash drafter's layers with
     # inductor (one graph each, dynamic in rows and window, attention opaque), which every method,
     # auto included, runs.
     compile: bool = False

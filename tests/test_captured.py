@@ -170,6 +170,13 @@ def test_auto_captures_every_arm_it_may_play(pairs):
         fits = {a for a in range(policy.chain_arm + 1) if policy.arm_plan(a, b).window <= 40 // (b // 2 + 1)}
         assert arms == fits | {None}
     assert policy.chain_arm in {a for _, _, a in runner.graphs.rounds}  # the chain's window (8) fits every bucket
+    # Plans are priced by their captured round's replay at the batch bucket, whichever rows draft.
+    plans = [(b, runner.captured_plan(a, b)) for b, _, a in runner.graphs.rounds]
+    assert set(policy.cost.replays) == {(b, p.window, p.budget > 0) for b, p in plans}
+    ar, table = policy.seconds(3)
+    assert ar == pytest.approx(policy.cost.replays[4, 1, False])
+    chain = policy.cost.replays[4, policy.arm_plan(policy.chain_arm, 3).window, False]
+    assert table[policy.chain_arm, 1] == table[policy.chain_arm, 3] == pytest.approx(chain)
 
 
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
@@ -190,9 +197,9 @@ def test_auto_captured_rounds_of_every_arm_give_ar_tokens(pairs, kind, temperatu
     def plan(reqs):
         i, R = next(turn), len(reqs)
         arm = [None, *range(policy.chain_arm + 1)][i % (policy.chain_arm + 2)]
-        if arm is None or (batch_bucket(R), 256, arm) not in runner.graphs.rounds:
-            return fixed_plan(R, "ar", runner.block_size, 0)
         rows = [r for r in range(R) if (i >> r) & 1 or R == 1]
+        if arm is None or not rows or (batch_bucket(R), 256, arm) not in runner.graphs.rounds:
+            return fixed_plan(R, "ar", runner.block_size, 0)
         base = policy.arm_plan(arm, R)
         modes = [base.modes[0] if r in rows else 0 for r in range(R)]
         planned.append((arm, len(rows), R))

@@ -116,6 +116,7 @@ class CostModel:
         self.refined = 0  # rounds folded in
         self.frozen = False  # no online refinement (tensor parallelism: every rank must plan alike)
         self.bucket: Callable[[int], int] | None = None  # captured rounds: rows -> the batch bucket they run as
+        self.replays: dict[tuple[int, int, bool], float] = {}  # ... and their seconds by (bucket, window, tree)
 
     def _padded(self, rows, drafting):
         """A captured round runs its batch bucket, every row drafting where any does."""
@@ -130,6 +131,9 @@ class CostModel:
         _, tree_rows = self._padded(rows, tree_rows)
         rows, drafting = self._padded(rows, drafting)
         verify, draft, noise = self.extra(rows, window, drafting, keys, sampled, min(window, depth + 1))
+        if self.replays:  # a captured round's time is its replay's, whoever drafts
+            t = self.replays[rows, window, budget > 0] + noise + 0.0 * np.asarray(drafting)
+            return np.maximum(t + verify + draft, 0.5 * t) * self.scale
         t = float(self.verify(rows, window)) + float(self.overhead(rows, 1 if np.any(drafting) else 0)) + noise
         if np.any(drafting):  # drafting and tree_rows may be arrays (one table row at once)
             t = t + self.draft(drafting, depth)

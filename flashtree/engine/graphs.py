@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from flashtree.engine.shapes import key_bucket
 from flashtree.models.context import SlotBatch
 
 
@@ -136,3 +137,29 @@ class RoundGraphs:
 
     def get(self, rows: int, key_len: int, arm: int | None = None) -> CapturedRound:
         return self.rounds[rows, key_len, arm]
+
+    @torch.inference_mode()
+    def timed(self, runner, start: int, dummy: int) -> dict[tuple[int, int, bool], float]:
+        """Seconds of each captured plan's replay, forward and commit, per batch bucket: every row on the
+        dummy slot `start` keys deep (best of two), keyed (rows, window, tree) as CostModel.replays.
+        budget="auto" prices its plans with them: on a GPU the eager timings it starts from are the host's."""
+        cuda = runner.device.type == "cuda"
+        out: dict[tuple[int, int, bool], float] = {}
+        for (b, k, arm), captured in self.rounds.items():
+            plan = runner.captured_plan(arm, b)
+            if k != key_bucket(start + plan.window, runner.cache.max_len) or (b, plan.window, plan.budget > 0) in out:
+                continue
+            slots = torch.full((b,), dummy, dtype=torch.long, device=runner.device)
+            starts, zeros = torch.full_like(slots, start), torch.zeros_like(slots)
+            best = float("inf")
+            for _ in range(3):
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                state = captured.run_forward(slots, starts, zeros, None, zeros == 0)
+                captured.run_commit(torch.zeros_like(state["positions"]))
+                if cuda:
+                    torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            out[b, plan.window, plan.budget > 0] = best
+        return out

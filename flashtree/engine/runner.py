@@ -24,7 +24,7 @@ from torch import Tensor
 
 from flashtree.config import EngineConfig
 from flashtree.cache import RecurrentState, SlidingDraftCache
-from flashtree.engine.cost_model import DEFAULT_SECONDS, save, startup
+from flashtree.engine.cost_model import CONTEXT, DEFAULT_SECONDS, save, startup
 from flashtree.engine.draft_context import DeferredContext
 from flashtree.engine.graphs import RoundGraphs
 from flashtree.engine.logprobs import pack, unpack
@@ -192,6 +192,9 @@ class ModelRunner:
             keys = sorted({key_bucket(n, self.cache.max_len) for n in range(1, self.cache.max_len + 1)})
             buckets = [b for b in (1 << i for i in range(self.max_rows.bit_length())) if b <= self.max_rows]
             self.graphs = RoundGraphs(self, buckets, keys, dummy=config.max_batch, progress=progress)
+            if self.policy is not None:
+                start = min(CONTEXT, self.cache.max_len - self.max_window - 1)
+                self.policy.cost.replays = self.graphs.timed(self, start, dummy=config.max_batch)
 
     @property
     def capture_seconds(self) -> float:
