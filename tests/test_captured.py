@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 from flashtree import LLM, SamplingParams
 from flashtree.engine.graphs import Piece
-from flashtree.engine.policy import fixed_plan
+from flashtree.engine.round_plan import fixed_plan
 from flashtree.engine.shapes import batch_bucket
 from tests.test_qwen3_5 import make_qwen35
 from tests.tiny import make_drafter, make_target

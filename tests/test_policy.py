@@ -16,8 +16,8 @@ import torch
 from flashtree import LLM, EngineConfig, LLMEngine, SamplingParams
 from flashtree.engine import cost_model
 from flashtree.engine.cost_model import Grid
-from flashtree.engine.policy import (AR, BASE, CHAIN, PROBE, PROBE_TOKENS, SCOUT, SETTLE_ROWS, Policy, RoundPlan, by_size,
-                                     fixed_plan)
+from flashtree.engine.policy import BASE, PROBE, PROBE_TOKENS, SCOUT, SETTLE_ROWS, Policy, by_size
+from flashtree.engine.round_plan import AR, CHAIN, RoundPlan, fixed_plan
 from flashtree.engine.runner import path_codes
 from flashtree.engine.sequence import Request
 from flashtree.tree import TreeSpec, accept_walk, build_chain, build_tree

@@ -4,8 +4,8 @@ The policy prices every plan with four tables: verify(rows, window), the target 
 over one window for all rows; draft(rows, depth), a drafter pass with the LM head on `depth`
 positions; tree(rows, budget), the tree builds; overhead(rows, drafting), the rest of a round. They
 hold greedy rows CONTEXT keys deep (deeper keys and sampled rows are priced apart, `extra`). Startup
-times the points that matter most within a time budget and derives the rest (a dense forward costs
-mostly by its tokens); timed rounds then nudge the points around them.
+times the points that matter most and derives the rest; timed rounds then nudge them. Captured
+rounds are priced by their replays instead (graphs.RoundGraphs.timed).
 """
 
 from __future__ import annotations
@@ -115,24 +115,15 @@ class CostModel:
         self.scale = 1.0  # whole-round correction when stages are not timed separately (GPU, no sync)
         self.refined = 0  # rounds folded in
         self.frozen = False  # no online refinement (tensor parallelism: every rank must plan alike)
-        self.bucket: Callable[[int], int] | None = None  # captured rounds: rows -> the batch bucket they run as
-        self.replays: dict[tuple[int, int, bool], float] = {}  # ... and their seconds by (bucket, window, tree)
-
-    def _padded(self, rows, drafting):
-        """A captured round runs its batch bucket, every row drafting where any does."""
-        if self.bucket is None:
-            return rows, drafting
-        rows = self.bucket(rows)
-        return rows, np.where(np.asarray(drafting) > 0, rows, 0)
+        self.replays: dict[tuple[int, int, bool], float] = {}  # captured rounds' seconds by (bucket, window, tree)
+        self.bucket: Callable[[int], int] = lambda rows: rows  # ... and the batch bucket `rows` run as
 
     def round_seconds(self, rows: int, window: int, drafting: int | np.ndarray, depth: int,
                       tree_rows: int | np.ndarray, budget: int, keys: int = CONTEXT, sampled: int = 0):
         """A plan's seconds (an array over drafting rows where `drafting` is one)."""
-        _, tree_rows = self._padded(rows, tree_rows)
-        rows, drafting = self._padded(rows, drafting)
         verify, draft, noise = self.extra(rows, window, drafting, keys, sampled, min(window, depth + 1))
         if self.replays:  # a captured round's time is its replay's, whoever drafts
-            t = self.replays[rows, window, budget > 0] + noise + 0.0 * np.asarray(drafting)
+            t = self.replays[self.bucket(rows), window, budget > 0] + noise + 0.0 * np.asarray(drafting)
             return np.maximum(t + verify + draft, 0.5 * t) * self.scale
         t = float(self.verify(rows, window)) + float(self.overhead(rows, 1 if np.any(drafting) else 0)) + noise
         if np.any(drafting):  # drafting and tree_rows may be arrays (one table row at once)
@@ -145,7 +136,9 @@ class CostModel:
         """What the tables (greedy, CONTEXT keys deep) leave out: (verify, drafter pass) seconds of `keys`
         committed keys a row (negative below CONTEXT), and the seeded noise of `sampled` rows over `window`
         nodes at `positions` distinct positions (nodes at one depth share it). Numpy arrays broadcast."""
-        rows, drafting = self._padded(rows, drafting)
+        if self.replays:  # captured, a round runs its batch bucket, every row drafting where any does
+            rows = self.bucket(rows)
+            drafting = np.where(np.asarray(drafting) > 0, rows, 0)
         per_row, per_node, per_draft = self.keys
         first, node, position = self.sample
         deeper = keys - CONTEXT

@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
 from flashtree.engine.cost_model import CONTEXT, CostModel
+from flashtree.engine.round_plan import AR, RoundPlan, fixed_plan
 from flashtree.engine.sequence import Request
 from flashtree.sampling import SamplingParams
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
-AR, CHAIN, TREE = 0, 1, 2
-MODE_NAMES = ("ar", "chain", "tree")
 BASE, P = 3, 0.5  # the paired base (spine nodes), and the tokens added to it in the chain's shape
 LEVELS = (1.5, 2.5)  # bins of a row's level, each with its own tree statistics
 LEVEL_RATE, REQUEST_RATE, SHAPE_RATE = 0.05, 0.3, 0.02  # EMA weights: per class row, per request round, per row
@@ -47,49 +46,6 @@ def sampling_class(params: SamplingParams) -> int:
     return 0 if params.greedy else max(1, min(50, round(params.temperature * 10)))
 
 
-@dataclass
-class RoundPlan:
-    """What one round does, per batch row, and what the policy expects of it."""
-
-    modes: list[int]  # AR, CHAIN or TREE per batch row
-    window: int = 1  # nodes per row in the verify (root included)
-    budget: int = 0  # tree rows' drafted nodes
-    chain: int = 0  # chain rows' drafted nodes
-    depth: int = 0  # draft positions the LM head scores
-    draft_rows: list[int] = field(default_factory=list)
-    tree_rows: int = 0  # every drafting row of a tree plan (trees and chains do not mix)
-    predicted: list[float] = field(default_factory=list)  # per row: expected accepted drafted tokens
-    seconds: float = 0.0
-    arm: int | None = None  # auto: the grid index of the tree, or CHAIN_ARM; None for AR steps
-    measure: int = 0  # tree sizes (grid columns) whose accepted tokens the round reads back
-    explored: bool = False  # auto: played to measure, paid from the exploration credit ...
-    baseline: float = 0.0  # ... for what it lost against this rate (tokens a second) of the plan it displaced
-    keys: int = CONTEXT  # committed keys behind the batch's deepest row, which every row's attention spans
-    sampled: int = 0  # rows drawn by seeded noise rather than argmax (each pays it at every node)
-
-    @property
-    def drafting(self) -> int:
-        return len(self.draft_rows)
-
-    def label(self, row: int) -> str:
-        return MODE_NAMES[self.modes[row]]
-
-    def size(self, row: int) -> int:
-        """Drafted nodes the row verifies (0 for AR)."""
-        return {AR: 0, CHAIN: self.chain, TREE: self.budget}[self.modes[row]]
-
-
-def fixed_plan(rows: int, method: str, block_size: int, budget: int) -> RoundPlan:
-    """Every row drafts alike: the chain (dflash), a tree of `budget` nodes (ddtree) or nothing (ar)."""
-    if method == "ar":
-        return RoundPlan([AR] * rows, predicted=[0.0] * rows)
-    if method == "dflash":
-        return RoundPlan([CHAIN] * rows, window=block_size, chain=block_size - 1, depth=block_size - 1,
-                         draft_rows=list(range(rows)), predicted=[0.0] * rows)
-    return RoundPlan([TREE] * rows, window=budget + 1, budget=budget, depth=min(budget, block_size - 1),
-                     draft_rows=list(range(rows)), tree_rows=rows, predicted=[0.0] * rows)
-
-
 def by_size(codes: list[int], sizes: list[int]) -> tuple[list[int], int, bool]:
     """What one tree round measured, from its accepted path's codes (runner.path_codes: per node,
     root first, 4 x rank + 2 if it has a child in the tree + 1 if it is its parent's best child; -1
@@ -103,10 +59,9 @@ def by_size(codes: list[int], sizes: list[int]) -> tuple[list[int], int, bool]:
 
 
 class ClassStats:
-    """Measured acceptance of one sampling class: the level of the base, the chain's survival by depth
-    and, per LEVELS bin of the rows' levels, each tree's and the chain's kept tokens on the same rows (a
-    tree's edge where the chain keeps little says nothing of it where it keeps much). Priors worth
-    PRIOR_ROWS rows keep one unlucky round from ruling drafting out."""
+    """Measured acceptance of one sampling class: the base's level, the chain's survival by depth and, per
+    LEVELS bin of the rows' levels (a tree's edge where the chain keeps little says nothing of it where it
+    keeps much), each tree's and the chain's kept tokens on the same rows; priors worth PRIOR_ROWS rows."""
 
     def __init__(self, arms: int, depth: int) -> None:
         self.level, self.level_rows = BASE / 2, 0.0

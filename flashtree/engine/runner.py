@@ -29,7 +29,8 @@ from flashtree.engine.draft_context import DeferredContext
 from flashtree.engine.graphs import RoundGraphs
 from flashtree.engine.logprobs import pack, unpack
 from flashtree.engine.mtp_draft import MTPDraft
-from flashtree.engine.policy import AR, GRID, Policy, RoundPlan, by_size, fixed_plan
+from flashtree.engine.policy import GRID, Policy, by_size
+from flashtree.engine.round_plan import AR, RoundPlan, fixed_plan
 from flashtree.engine.sequence import Request, TokenLogprob
 from flashtree.engine.shapes import TREE_BUCKETS, batch_bucket, budget_bucket, key_bucket, prefill_chunks
 from flashtree.engine.staging import Staging
@@ -173,12 +174,10 @@ class ModelRunner:
                                                           config.max_batch, self.max_window, config.max_budget,
                                                           "off" if tp else config.cost_cache,
                                                           float("inf") if tp else DEFAULT_SECONDS, self.use_selector)
-            # Captured, every plan is a graph: trees of power-of-two sizes, priced at the batch bucket.
+            # Captured, every plan is a graph: trees of power-of-two sizes, priced by their replays (below).
             self.policy = Policy(cost, config.max_batch, self.block_size, config.max_budget, config.max_round_tokens,
                                  TREE_BUCKETS if captured else GRID)
-            if captured:
-                cost.bucket = batch_bucket
-            else:  # a captured round appends every row's drafter context itself
+            if not captured:  # a captured round appends every row's drafter context itself
                 w = drafter.fc.weight
                 self.deferred = DeferredContext(config.max_batch, w.shape[1], w.dtype, device)
         self.last_plan: RoundPlan | None = None
@@ -195,6 +194,7 @@ class ModelRunner:
             if self.policy is not None:
                 start = min(CONTEXT, self.cache.max_len - self.max_window - 1)
                 self.policy.cost.replays = self.graphs.timed(self, start, dummy=config.max_batch)
+                self.policy.cost.bucket = batch_bucket
 
     @property
     def capture_seconds(self) -> float:

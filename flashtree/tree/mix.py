@@ -1,8 +1,6 @@
-"""One verify window from drafted rows and lone roots (plain AR steps): the policy decides per
-request whether to draft. Lone roots get the builders' padding (token -1, parent 0, depth 1, score
--inf); drafted rows are put back at their batch rows on the device, without a host read. A
-captured round drafts for every row and drops the drafts of the rows that take an AR step.
-"""
+"""One verify window from drafted rows and lone roots (plain AR steps), as the policy decides per
+request: lone roots get the builders' padding (token -1, parent 0, depth 1, score -inf), on the
+device, without a host read; a captured round drafts every row and drops the AR rows' drafts."""
 import dataclasses
 
 import torch
@@ -41,8 +39,7 @@ def place_rows(base: TreeSpec, rows: Tensor, part: TreeSpec) -> TreeSpec:
 
 
 def drop_drafts(spec: TreeSpec, keep: Tensor) -> TreeSpec:
-    """spec with the drafted nodes of rows where keep [R] (bool) is False turned to padding (token
-    -1): no pick matches them, so the walk accepts the root alone and emits its pick, the AR step's
-    token. The window keeps its shape (a captured round's) and a chain stays a chain."""
+    """spec with the drafted nodes of rows not in keep [R] (bool) made padding (token -1), which no pick
+    matches: those rows emit their root's pick, the AR step's token, and the window keeps its shape."""
     drafted = torch.arange(spec.num_nodes, device=keep.device) > 0
     return dataclasses.replace(spec, tokens=spec.tokens.masked_fill(drafted & ~keep[:, None], -1))
