@@ -624,9 +624,11 @@ def test_ar_when_acceptance_collapses(tmp_path, monkeypatch):
     assert modes.count("ar") / len(modes) > 0.8
 
 
-def test_a_burst_is_admitted_at_the_batch_it_joins(tmp_path, monkeypatch):
+def test_a_request_is_admitted_at_the_batch_it_will_run_in(tmp_path, monkeypatch):
     """Requests seated together are judged (Policy.admit) at the size of the batch they form, not
-    at the last round's: after a lone request, a burst of three joins it as a batch of four."""
+    at the last round's: after a lone request, a burst of three joins it as a batch of four. Each
+    counts the others by the share of its own output they may overlap (max_tokens): beside three
+    8-token requests, a 64-token one runs mostly alone, and is judged at one row."""
     target = make_target(tmp_path / "t", vocab=32)
     drafter = make_drafter(tmp_path / "d", target_layers=4, vocab=32, block_size=4)
     engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", max_model_len=64,
@@ -642,6 +644,11 @@ def test_a_burst_is_admitted_at_the_batch_it_joins(tmp_path, monkeypatch):
     while engine.has_unfinished:
         engine.step()
     assert seen == [1, 4, 4, 4]
+    seen.clear()
+    for n in (8, 8, 8, 64):
+        engine.add_request([1, 2], SamplingParams(max_tokens=n, ignore_eos=True))
+    engine.step()
+    assert seen == [4, 4, 4, 1]  # (8 + 8 + 8 + 64) / 64 rounds to 1
 
 
 def test_settled_class_seats_requests_the_drafter_never_sees(tmp_path, monkeypatch):

@@ -334,7 +334,7 @@ class LLMEngine:
             match = self.prefix.match(req.prompt_ids, req.slot)
         length = match.length if match is not None else 0
         # Seated requests are all running now: a burst on an idle engine joins one batch.
-        self.runner.admit(req, len(self.scheduler.running))
+        self.runner.admit(req, self.scheduler.running)
         length = self.runner.seat(req.slot, match.source if length else None, length,
                                   match.state if length else None, req.speculative)
         req.num_computed = req.stats.cached_tokens = length

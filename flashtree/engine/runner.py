@@ -216,10 +216,17 @@ class ModelRunner:
 
     # ---- slots and prefill ----------------------------------------------------------------
 
-    def admit(self, req: Request, rows: int) -> None:
-        """Decide, as a request is seated into a batch of `rows` requests (itself included),
-        whether it may ever draft (see Policy.admit)."""
-        req.speculative = self.policy is None or self.graphs is not None or self.policy.admit(req.params, rows)
+    def admit(self, req: Request, running: list[Request]) -> None:
+        """Decide, as a request is seated beside `running` (itself included), whether it may ever
+        draft (see Policy.admit), in the batch it is expected to run in: each request counts for
+        the share of this one's output it may overlap, by their max_tokens (a batch shrinks to a
+        tail of its longest requests, where drafting pays more)."""
+        if self.policy is None or self.graphs is not None:
+            req.speculative = True
+            return
+        mine = max(1, req.params.max_tokens - len(req.output_ids))
+        rows = sum(min(max(0, r.params.max_tokens - len(r.output_ids)), mine) for r in running) / mine
+        req.speculative = self.policy.admit(req.params, max(1, round(rows)))
 
     def seat(self, slot: int, source: int | None, length: int, state_key: int | None = None,
              speculative: bool = True) -> int:
