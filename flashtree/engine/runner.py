@@ -79,9 +79,10 @@ class StageClock:
 
 
 class InputStage:
-    """A round's host inputs (slots, starts, roots, and with budget="auto" the rows of the
-    held-back context ring its tokens park in) staged in one fixed host buffer, pinned on CUDA,
-    and sent with one non-blocking copy into a fixed device buffer.
+    """A round's host inputs (slots, starts, roots, and with budget="auto" a fourth row: the rows
+    of the held-back context ring its tokens park in, or in a captured round the drafting flags)
+    staged in one fixed host buffer, pinned on CUDA, and sent with one non-blocking copy into a
+    fixed device buffer.
 
     Reusing the pinned buffer is safe: the previous round's copy finished before that round's
     one read returned, and the next round writes it only after. The rows are written with one
@@ -96,25 +97,26 @@ class InputStage:
         self.rows = self.host.numpy()
         self.device = torch.empty(4, size, dtype=torch.long, device=device) if device.type != "cpu" else self.host
 
-    def upload(self, slots: list[int], starts: list[int], roots: list[int], ring: list[int] | None = None
+    def upload(self, slots: list[int], starts: list[int], roots: list[int], fourth: list[int] | None = None
                ) -> tuple[SlotBatch, Tensor, Tensor | None]:
         n = len(slots)
-        k = 3 if ring is None else 4
-        self.rows[:k, :n] = (slots, starts, roots) if ring is None else (slots, starts, roots, ring)
+        k = 3 if fourth is None else 4
+        self.rows[:k, :n] = (slots, starts, roots) if fourth is None else (slots, starts, roots, fourth)
         if self.device is not self.host:
             self.device.copy_(self.host, non_blocking=True)
         d = self.device
-        return SlotBatch(list(slots), list(starts), d[0, :n], d[1, :n]), d[2, :n], d[3, :n] if ring else None
+        return SlotBatch(list(slots), list(starts), d[0, :n], d[1, :n]), d[2, :n], d[3, :n] if fourth else None
 
 
 class ModelRunner:
     """Runs prefill chunks and rounds over the engine's caches, which it owns (lengths included).
 
     With static shapes (on with compile, or EngineConfig.static_shapes) every forward is padded to
-    a bucket (flashtree.engine.shapes): a fixed-method round's batch is padded with greedy rows on
-    a dummy slot past max_batch, whose results are dropped. With compile, a fixed method's rounds
-    are captured at start-up, one per (batch bucket, key bucket), and replayed through static
-    buffers (flashtree.engine.graphs: CUDA graphs on CUDA, the same buffers eagerly on the CPU).
+    a bucket (flashtree.engine.shapes): a fixed method's or a captured round's batch is padded with
+    greedy rows on a dummy slot past max_batch, whose results are dropped. Captured (compile on CUDA, or
+    capture=True), the rounds are captured at start-up, one per (batch bucket, key bucket, and
+    under budget="auto" arm), and replayed through static buffers (flashtree.engine.graphs: CUDA
+    graphs on CUDA, the same buffers eagerly on the CPU).
     """
 
     def __init__(self, config: EngineConfig, target, drafter: DFlashDrafter | MTPHead | None, device: torch.device,
@@ -431,7 +433,7 @@ class ModelRunner:
             self.learn(plan, slots, counts, end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0), held, paths)
         self._last_end = time.perf_counter()
 
-    # ---- captured rounds (compile=True, a fixed method) --------------------------------------
+    # ---- captured rounds (capture=True; compile=True on CUDA) --------------------------------
 
     def captured_plan(self, arm: int | None, rows: int) -> RoundPlan:
         """What a captured round runs: a fixed method's plan, or under budget="auto" one arm's
