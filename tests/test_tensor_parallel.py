@@ -100,6 +100,31 @@ def test_two_ranks_generate_what_one_does(models, arch, monkeypatch):
 
 
 @pytest.mark.slow
+def test_two_ranks_replay_captured_auto_rounds_alike(models, monkeypatch):
+    """budget="auto" with captured rounds over two ranks: every rank replays the same arm each round
+    (rank 0's replay timings, like its cost tables, are every rank's), so the tokens are AR's,
+    greedy and sampled, and (FLASHTREE_TP_CHECK) both ranks return the same results."""
+    monkeypatch.setenv("FLASHTREE_TP_CHECK", "1")
+    import flashtree.parallel.workers as workers
+
+    if workers._cluster is not None and not workers._cluster.check_results:
+        workers._cluster.close()
+    paths, drafter = models
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 62, (n,), generator=gen).tolist() for n in (3, 17, 40, 8)]
+    params = [SamplingParams(temperature=t, max_tokens=20, ignore_eos=True, seed=i)
+              for i, t in enumerate((0.0, 1.0, 0.0, 0.7))]
+    common = dict(target=str(paths["qwen3"]), drafter=str(drafter), device="cpu", dtype="float64", max_batch=3,
+                  max_model_len=96)
+    ref = [o.token_ids for o in LLM(method="ar", **common).generate(prompts, params)]
+    llm = LLM(method="ddtree", budget="auto", max_budget=16, tensor_parallel_size=2, capture=True, cost_cache="off",
+              **common)
+    out = llm.generate(prompts, params)
+    assert [o.token_ids for o in out] == ref
+    assert max(max(o.stats.accept_lengths) for o in out) > 1
+
+
+@pytest.mark.slow
 def test_a_dead_worker_is_a_clear_error(models):
     """A worker killed between rounds, or while rank 0 waits on it inside a collective, ends the
     next generate with one line naming the worker and its exit code (not a hang); the next

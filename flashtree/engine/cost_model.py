@@ -116,7 +116,7 @@ class CostModel:
         self.refined = 0  # rounds folded in
         self.frozen = False  # no online refinement (tensor parallelism: every rank must plan alike)
         self.replays: dict[tuple[int, int, bool], float] = {}  # captured rounds' seconds by (bucket, window, tree)
-        self.bucket: Callable[[int], int] = lambda rows: rows  # ... and the batch bucket `rows` run as
+        self.bucket: Callable[[int], int] | None = None  # ... and the batch bucket `rows` run as there
 
     def round_seconds(self, rows: int, window: int, drafting: int | np.ndarray, depth: int,
                       tree_rows: int | np.ndarray, budget: int, keys: int = CONTEXT, sampled: int = 0):
