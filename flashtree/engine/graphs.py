@@ -132,7 +132,8 @@ class RoundGraphs:
                   for k in sorted(key_buckets, reverse=True)]
         shared: dict[tuple, dict] = {}  # per batch bucket and plan: the static outputs all its key buckets write
         for b, k, arm in tqdm(shapes, desc="capturing rounds", unit="shape", file=sys.stderr, disable=not progress):
-            self.rounds[b, k, arm] = CapturedRound(runner, b, k, arm, dummy, pool, cuda, shared.setdefault((b, arm), {}))
+            outputs = shared.setdefault((b, arm), {})
+            self.rounds[b, k, arm] = CapturedRound(runner, b, k, arm, dummy, pool, cuda, outputs)
         self.seconds = time.perf_counter() - t0
 
     def get(self, rows: int, key_len: int, arm: int | None = None) -> CapturedRound:
@@ -141,7 +142,7 @@ class RoundGraphs:
     @torch.inference_mode()
     def timed(self, runner, start: int, dummy: int) -> dict[tuple[int, int, bool], float]:
         """Seconds of each captured plan's replay, forward and commit, per batch bucket: every row on the
-        dummy slot `start` keys deep (best of two), keyed (rows, window, tree) as CostModel.replays.
+        dummy slot `start` keys deep (best of three), keyed (rows, window, tree) as CostModel.replays.
         budget="auto" prices its plans with them: on a GPU the eager timings it starts from are the host's."""
         cuda = runner.device.type == "cuda"
         out: dict[tuple[int, int, bool], float] = {}
