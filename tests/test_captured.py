@@ -225,3 +225,22 @@ def test_auto_captured_plays_its_own_plans_and_keeps_ar_tokens(pairs):
     outs = llm.generate(PROMPTS * 2, params)
     assert [o.token_ids for o in outs] == ref * 2
     assert any(m != "ar" for o in outs for m in o.stats.modes)
+
+
+def test_auto_captured_serves_samples_logprobs_and_shared_prefixes(pairs):
+    """Captured auto under what a server asks of it: n = 2 seeded samples of each prompt, logprobs,
+    and a prompt sharing an earlier one's prefix (reused from the cache): eager auto's tokens and
+    logprobs."""
+    params = SamplingParams(temperature=0.8, top_k=8, max_tokens=24, ignore_eos=True, seed=3, n=2, logprobs=2)
+    first, later = [list(range(1, 15))], [list(range(1, 15)) + [3, 4], [5, 6] * 9]
+    outs = {}
+    for captured in (False, True):
+        llm = LLM(*pairs["dense"], method="ddtree", budget="auto", device="cpu", max_batch=4, max_model_len=192,
+                  capture=captured, cost_cache="off")
+        outs[captured] = llm.generate(first, params) + llm.generate(later, params)
+    for eager, replayed in zip(outs[False], outs[True]):
+        assert [o.token_ids for o in replayed.outputs] == [o.token_ids for o in eager.outputs]
+        for a, b in zip(eager.outputs, replayed.outputs):
+            assert [t.token for t in b.logprobs] == [t.token for t in a.logprobs]
+            assert [t.logprob for t in b.logprobs] == pytest.approx([t.logprob for t in a.logprobs], abs=1e-5)
+    assert outs[True][1].outputs[0].stats.cached_tokens > 0  # the second prompt reused the first's prefix
