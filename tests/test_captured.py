@@ -193,12 +193,13 @@ def test_auto_captured_rounds_of_every_arm_give_ar_tokens(pairs, kind, temperatu
     runner, policy = llm.engine.runner, llm.engine.runner.policy
     turn = iter(range(10**6))
     planned = []
+    captured = {(b, a) for b, _, a in runner.graphs.rounds}
 
     def plan(reqs):
         i, R = next(turn), len(reqs)
         arm = [None, *range(policy.chain_arm + 1)][i % (policy.chain_arm + 2)]
         rows = [r for r in range(R) if (i >> r) & 1 or R == 1]
-        if arm is None or not rows or (batch_bucket(R), 256, arm) not in runner.graphs.rounds:
+        if arm is None or not rows or (batch_bucket(R), arm) not in captured:
             return fixed_plan(R, "ar", runner.block_size, 0)
         base = policy.arm_plan(arm, R)
         modes = [base.modes[0] if r in rows else 0 for r in range(R)]
