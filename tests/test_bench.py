@@ -364,3 +364,27 @@ def test_bench_passes_no_pack_weights_to_every_cell_engine():
     assert _engine_config(spec, "ddtree", 16, None).pack_weights is False
     assert _engine_config(spec_from_args(build_parser().parse_args(["bench", "--quick"])), "ar", 1, None).pack_weights is None
     assert _config(PolicyGridSpec(pack_weights=False), "auto", 4, None).pack_weights is False
+
+
+def test_ab_revision_imports_an_earlier_revision_beside_this_one(tmp_path):
+    """benchmarks/ab_revision.py's old package: the code of a git revision, renamed throughout (its
+    torch.library operators included), imports next to this tree's flashtree without touching it."""
+    import importlib
+    import importlib.util
+    import subprocess
+    from pathlib import Path
+
+    import flashtree
+
+    root = Path(__file__).resolve().parents[1]
+    if subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    spec = importlib.util.spec_from_file_location("ab_revision", root / "benchmarks" / "ab_revision.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    old = ab.old_package("HEAD", tmp_path)
+    assert old.__name__.startswith("flashtree_") and old.EngineConfig is not flashtree.EngineConfig
+    compiled = importlib.import_module(f"{old.__name__}.models.compiled")  # defines its operators
+    assert compiled.__file__.startswith(str(tmp_path))
+    assert hasattr(getattr(torch.ops, old.__name__), "window_attention")
+    assert flashtree.EngineConfig.__module__.startswith("flashtree.")
