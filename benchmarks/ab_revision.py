@@ -88,9 +88,10 @@ def main() -> None:
                             "new": (engine(flashtree, args.label, b, base), SamplingParams),
                             "old": (engine(old, args.label, b, old_base), old.SamplingParams)}
                     cells = {k: GridCell(t, b, k) for k in runs}
+                    clock = time.perf_counter if base.device.type == "cuda" else time.process_time
                     for p in range(args.passes):
                         run_interleaved([H.Arrivals(eng, ids, [cls(**s) for s in spec], cells[k],
-                                                    0 if shape == "at-once" else 2, time.process_time)
+                                                    0 if shape == "at-once" else 2, clock)
                                          for k, (eng, cls) in runs.items()],
                                         seed=1000 * p + 10 * b + round(10 * t) + (shape == "gradual"))
                     r = {k: c.tokens_per_s for k, c in cells.items()}
