@@ -244,7 +244,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Timer:
+class Timer:
     """Best-of-n timings that stop taking new points once the time budget is spent."""
 
     def __init__(self, device: torch.device, seconds: float) -> None:
@@ -291,7 +291,7 @@ def measure(target, drafter, passes: tuple[Callable, Callable], cache, draft_cac
     global measurements
     measurements += 1
     device = target.embed_tokens.weight.device
-    timer = _Timer(device, seconds)
+    timer = Timer(device, seconds)
     ctx = max(1, min(CONTEXT, cache.max_len - max_window - 2))
 
     def lengths(n: int) -> None:  # every slot's committed rows, target and drafter
@@ -372,7 +372,7 @@ def measure(target, drafter, passes: tuple[Callable, Callable], cache, draft_cac
                    time.perf_counter() - timer.start, keys, sample)
 
 
-def _sample_costs(timer: _Timer, x: torch.Tensor) -> tuple[float, float, float]:
+def _sample_costs(timer: Timer, x: torch.Tensor) -> tuple[float, float, float]:
     """Seconds a sampled row adds to the pick over logits x [rows, n, V]: its first node (timed apart:
     costs per element grow with the working set), each further node and each further distinct
     position (hashing noise over the vocabulary)."""

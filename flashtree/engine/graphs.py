@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from flashtree.engine.cost_model import Timer
 from flashtree.engine.shapes import key_bucket
 from flashtree.models.context import SlotBatch
 
@@ -142,9 +143,9 @@ class RoundGraphs:
     @torch.inference_mode()
     def timed(self, runner, start: int, dummy: int) -> dict[tuple[int, int, bool], float]:
         """Seconds of each captured plan's replay, forward and commit, per batch bucket: every row on the
-        dummy slot `start` keys deep (best of three), keyed (rows, window, tree) as CostModel.replays.
+        dummy slot `start` keys deep (best of two after one), keyed (rows, window, tree) as CostModel.replays.
         budget="auto" prices its plans with them: on a GPU the eager timings it starts from are the host's."""
-        cuda = runner.device.type == "cuda"
+        timer = Timer(runner.device, float("inf"))
         out: dict[tuple[int, int, bool], float] = {}
         for (b, k, arm), captured in self.rounds.items():
             plan = runner.captured_plan(arm, b)
@@ -152,15 +153,10 @@ class RoundGraphs:
                 continue
             slots = torch.full((b,), dummy, dtype=torch.long, device=runner.device)
             starts, zeros = torch.full_like(slots, start), torch.zeros_like(slots)
-            best = float("inf")
-            for _ in range(3):
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
+
+            def replay(captured=captured, slots=slots, starts=starts, zeros=zeros) -> None:
                 state = captured.run_forward(slots, starts, zeros, None, zeros == 0)
                 captured.run_commit(torch.zeros_like(state["positions"]))
-                if cuda:
-                    torch.cuda.synchronize()
-                best = min(best, time.perf_counter() - t0)
-            out[b, plan.window, plan.budget > 0] = best
+
+            out[b, plan.window, plan.budget > 0] = timer(replay)
         return out

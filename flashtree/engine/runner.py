@@ -419,11 +419,11 @@ class ModelRunner:
                 self.mtp.accept(batch, spec, walk.path, out.features, counts)
         self.last_plan = plan
         if self.policy is not None:
-            self.timed(plan, slots, counts, t0, held, paths)
+            self.time_round(plan, slots, counts, t0, held, paths)
         return emitted, dict(self.clock.seconds), logprobs
 
-    def timed(self, plan: RoundPlan, slots: list[int], counts: list[int], t0: float, held: tuple[float, int],
-              paths: list[list[int]] | None) -> None:
+    def time_round(self, plan: RoundPlan, slots: list[int], counts: list[int], t0: float, held: tuple[float, int],
+                   paths: list[list[int]] | None) -> None:
         """A round's cost includes the engine's work between rounds (emitting, scheduling):
         throughput is tokens over wall time. A long gap is an idle engine, not work. Plain AR
         rounds teach only their time, and a sample of them keeps it current."""
@@ -493,7 +493,8 @@ class ModelRunner:
         slots = [r.slot for r in reqs]
         starts = [self.cache.lengths[s] for s in slots]
         # Under auto, a drafting plan's rows that take AR steps (and the padding) drop their drafts.
-        flags = None if plan is None else [int(i in plan.draft_rows) for i in range(len(reqs))]
+        drafts = set(plan.draft_rows) if plan is not None else set()
+        flags = None if plan is None else [int(i in drafts) for i in range(len(reqs))]
         batch, roots, drafting = self.inputs.upload(slots, starts, [r.bonus for r in reqs], flags)
         if plan is not None:
             window = plan.window
@@ -504,8 +505,7 @@ class ModelRunner:
         sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device,
                                        self.sampling_inputs)
         with self.clock.stage("verify"):
-            state = captured.run_forward(batch.slots, batch.starts, roots, batch.first,
-                                         drafting.bool() if drafting is not None else None)
+            state = captured.run_forward(batch.slots, batch.starts, roots, batch.first, drafting)
             spec = state["spec"]
             picks = pick(state["logits"], sampling, state["positions"] + 1, spec.depth_bound + 1)
         with self.clock.stage("commit"):
@@ -523,7 +523,7 @@ class ModelRunner:
             self.last_plan = self.fixed_round_plan(len(reqs), real)
             return emitted, dict(self.clock.seconds), logprobs
         self.last_plan = plan
-        self.timed(plan, slots[:real], counts, t0, (0.0, 0), paths)
+        self.time_round(plan, slots[:real], counts, t0, (0.0, 0), paths)
         return emitted, dict(self.clock.seconds), logprobs
 
     # ---- the plan: who drafts, and how ----------------------------------------------------
