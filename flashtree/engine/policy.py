@@ -194,9 +194,9 @@ class Policy:
     def _claim(self, req: Request) -> None:
         s = req.slot
         if self.owner[s] != req.request_id:
-            if self.owner[s] is not None and self.measured[s]:
+            if self.owner[s] is not None and self.measured[s]:  # its level as planning saw it (_levels)
                 recent = self._stats(self.cls[s]).recent
-                recent[:] = [*recent[1 - RECENT:], float(self.level[s])]
+                recent[:] = [*recent[1 - RECENT:], float(self._levels([s], [self.cls[s]])[0])]
             self.owner[s], self.cls[s] = req.request_id, sampling_class(req.params)
             self.level[s], self.measured[s], self.due[s] = self._stats(self.cls[s]).level, 0.0, PROBE_TOKENS
 
@@ -238,8 +238,7 @@ class Policy:
         keys = max(len(r.prompt_ids) + len(r.output_ids) for r in reqs)
         sampled = sum(not r.params.greedy for r in reqs)
 
-        def steps(seconds: float | None = None) -> RoundPlan:  # AR steps for every row
-            seconds = self.ar_seconds(R, keys, sampled) if seconds is None else seconds
+        def steps(seconds: float = 0.0) -> RoundPlan:  # AR steps for every row (0 s: observe prices them)
             return RoundPlan([AR] * R, predicted=[0.0] * R, seconds=seconds, keys=keys, sampled=sampled)
 
         if self.hold[1] > 0 and self.hold[0] == ids:
@@ -333,7 +332,7 @@ class Policy:
         if self.cost.frozen:  # tensor parallel: every rank plans alike, so none uses its own clock
             seconds = plan.seconds or ar_seconds
         arm = -1 if plan.arm is None else plan.arm  # timed / modelled seconds, per arm
-        modelled = plan.seconds / self.factor[arm]
+        modelled = (plan.seconds or (ar_seconds if plan.arm is None else 0.0)) / self.factor[arm]
         if not self.cost.frozen and modelled > 0:
             self.factor[arm] += FACTOR_RATE * (min(max(seconds / modelled, 0.5), 2.0) - self.factor[arm])
         if plan.arm is None:
