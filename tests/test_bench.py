@@ -388,3 +388,23 @@ def test_ab_revision_imports_an_earlier_revision_beside_this_one(tmp_path):
     assert compiled.__file__.startswith(str(tmp_path))
     assert hasattr(getattr(torch.ops, old.__name__), "window_attention")
     assert flashtree.EngineConfig.__module__.startswith("flashtree.")
+
+
+def test_gpu_check_reports_vllm_on_the_device(monkeypatch):
+    """gpu_check's section 6 says plainly when vLLM is missing on the device, and otherwise reports
+    its version and what the plugin's start-up printed (its smoke test), in the markdown report."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import importlib.util
+
+    import gpu_check
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    report = {"device": "cpu", "torch": torch.__version__}
+    gpu_check.vllm_checks(gpu_check.Deadline(100), report)
+    assert report["vllm"] == {"installed": False}
+    assert "vLLM is not installed on this device" in gpu_check.markdown(report)
+    report["vllm"] = {"installed": True, "version": "0.32.0", "plugin": "refused: DDTreeConfigError ..."}
+    assert "vLLM 0.32.0; the DDTree plugin at start-up: refused: DDTreeConfigError" in gpu_check.markdown(report)
