@@ -25,7 +25,11 @@ one read. It checks and times:
    wall clock (benchmarks/policy_heldout.py);
 6. whether vLLM is installed on the device, and if so what its DDTree plugin does there (it supports
    vLLM's CPU build only, so on CUDA it must stop at start-up with its one-line error): a subprocess
-   registers the plugin and builds the demo pair with a DDTree config (VLLM_USE_V2_MODEL_RUNNER=0).
+   registers the plugin and builds the demo pair with a DDTree config (VLLM_USE_V2_MODEL_RUNNER=0);
+7. budget="auto" at the Qwen3-8B shape with the demo pair's acceptance (random 8B weights accept
+   nothing): benchmarks/policy_sim.py replays the demo traces recorded on the CPU
+   (benchmarks/data/demo_traces.npz) against every fixed method, each round priced by the cost model
+   an 8B-shaped auto engine (bf16, batch up to 16, eager) measures on this device at start-up.
 
     python benchmarks/gpu_check.py --out /tmp/gpu_check      # -> gpu_check.json + gpu_check.md
 
@@ -253,6 +257,14 @@ def policy_grid_table(rows: list[dict]) -> list[str]:
                         "yes" if r["same_tokens"] else "NO"])
 
 
+def sim_table(rows: list[dict]) -> list[str]:
+    return md_table(["T", "batch", "shape", "ar", "dflash", "best fixed", "auto", "auto / best", "auto / ar"], rows,
+                    lambda r: [str(r["temperature"]), str(r["batch"]), r["shape"]], "tok_s",
+                    lambda r: [f"{r['tok_s']['ar']:.0f}", f"{r['tok_s']['dflash']:.0f}",
+                               f"{r['best_fixed']} {r['tok_s'][r['best_fixed']]:.0f}", f"{r['tok_s']['auto']:.0f}",
+                               f"{r['auto_x_best']:.2f}", f"{r['auto_x_ar']:.2f}"])
+
+
 def md_table(columns: list[str], rows: list[dict], head, measured: str, cells) -> list[str]:
     """Markdown rows: head(row)'s cells, then cells(row)'s, or the row's skip or error where it has
     no `measured` entry (a timed-out or failed point is a result here too)."""
@@ -422,6 +434,33 @@ def stage_table(rows: list[dict]) -> list[str]:
                                f"{r.get('x_floor', float('nan')):.2f}", f"{r['tok_s']:.1f}", f"{r['capture_s']:.1f}"])
 
 
+# ---- 7: auto at the 8B shape, simulated ------------------------------------------------------------------
+
+
+def policy_sim_checks(deadline: Deadline, report: dict, workdir: Path) -> None:
+    """Section 7: policy_sim.py's grid priced by this device's 8B-shaped cost model (section 2's weights)."""
+    import policy_sim
+
+    traces = ROOT / "benchmarks" / "data" / "demo_traces.npz"
+    target, drafter = workdir / "qwen3-8b-random", workdir / "qwen3-8b-dflash-random"
+    if not target.is_dir() or deadline.left < 120:
+        report["policy_sim_error"] = "skipped: " + ("no 8B checkpoint (section 2 did not run)" if not target.is_dir()
+                                                    else "out of time")
+        return
+    try:
+        t0 = time.perf_counter()
+        eng = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), method="ddtree", budget="auto",
+                                     max_budget=policy_sim.MAX_BUDGET, max_batch=16, device=DEVICE, dtype="bfloat16",
+                                     max_model_len=1024, prefix_cache=False, cost_cache="off"))
+        measured = time.perf_counter() - t0
+        rows = policy_sim.simulate(policy_sim.load_traces(traces), eng.runner.policy.cost, [0.0, 0.7, 1.0],
+                                   [1, 4, 8, 16], ["at-once", "gradual"])
+        report["policy_sim"] = {"cost_model_seconds": measured, "rows": rows}
+        del eng
+    except Exception as e:  # a failure is a result here
+        report["policy_sim_error"] = f"{type(e).__name__}: {e}"
+
+
 # ---- 6: vLLM on the device -----------------------------------------------------------------------------
 
 VLLM_SMOKE = """
@@ -507,6 +546,12 @@ def markdown(report: dict) -> str:
                   "tok/s by wall clock)", ""] + policy_grid_table(grid["rows"])
     elif "policy_grid_error" in report:
         lines.append(f"\nauto grid not run: {report['policy_grid_error']}")
+    sim = report.get("policy_sim")
+    if sim:
+        lines += ["", "## budget=\"auto\" at the Qwen3-8B shape, demo acceptance (policy_sim.py; eager cost model, "
+                  f"measured in {sim['cost_model_seconds']:.0f} s)", ""] + sim_table(sim["rows"])
+    elif "policy_sim_error" in report:
+        lines.append(f"\nauto at the 8B shape not simulated: {report['policy_sim_error']}")
     v = report.get("vllm")
     if v is not None:
         lines += ["", "## vLLM on the device", ""]
@@ -548,6 +593,7 @@ def main() -> None:
             tree_attention_timing(deadline, report, args.shrink_8b or DEVICE == "cpu")
             if not args.skip_8b:
                 qwen3_8b_checks(deadline, report, Path(tmp))
+                policy_sim_checks(deadline, report, Path(tmp))
             vllm_checks(deadline, report)
             if not args.skip_grid:
                 policy_grid_checks(deadline, report)

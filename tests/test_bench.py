@@ -19,7 +19,7 @@ from flashtree.bench.suites import STANDARD, HubSuite, load_suite, read_jsonl
 from flashtree.cli import main
 from flashtree.config import DEMO_DRAFTER, DEMO_TARGET
 from flashtree.errors import FlashtreeError
-from tiny import make_drafter, make_target
+from tiny import make_drafter, make_target, synthetic_cost
 
 PNGS = ("speedup", "tau", "accept_hist", "cost_curve", "stages")
 
@@ -408,3 +408,46 @@ def test_gpu_check_reports_vllm_on_the_device(monkeypatch):
     assert "vLLM is not installed on this device" in gpu_check.markdown(report)
     report["vllm"] = {"installed": True, "version": "0.32.0", "plugin": "refused: DDTreeConfigError ..."}
     assert "vLLM 0.32.0; the DDTree plugin at start-up: refused: DDTreeConfigError" in gpu_check.markdown(report)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_policy_sim_traces_replay_every_fixed_method_exactly(tmp_path, temperature):
+    """benchmarks/policy_sim.py's premise: every method commits the same tokens, so what a top-b tree
+    (or the chain) keeps from an output position is fixed, and one trace recorded at the largest budget
+    (rounds that verify its tree but commit one token) gives each method's rounds. Replayed, the trace
+    gives exactly the tokens per round that real engines at budgets 1..16 and the chain emit, greedy
+    and seeded, and the simulator emits each request's max_tokens."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import policy_sim
+    from flashtree import EngineConfig, LLMEngine, SamplingParams
+
+    target = make_target(tmp_path / "t", vocab=64, logit_scale=6.0)
+    drafter = make_drafter(tmp_path / "d", target_layers=4, vocab=64, block_size=8)
+    sizes = policy_sim.sizes_for(16)
+
+    def engine(method: str, budget: int) -> LLMEngine:
+        return LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", method=method,
+                                      budget=budget, max_budget=16, max_batch=1, max_model_len=128,
+                                      prefix_cache=False))
+
+    prompt, params = [3, 1, 4, 1, 5], SamplingParams(temperature=temperature, max_tokens=40, ignore_eos=True, seed=7)
+    trace = policy_sim.record_request(engine("ddtree", 16), prompt, params, sizes)
+    for method, budget in [("dflash", 0)] + [("ddtree", b) for b in sizes]:
+        eng = engine(method, budget or 16)
+        req = eng.add_request(prompt, params)
+        while eng.has_unfinished:
+            eng.step()
+        column = -2 if method == "dflash" else sizes.index(budget)
+        replayed, n = [], 1  # the prefill's token, then one round per trace row reached
+        while n < params.max_tokens:
+            emitted = min(int(trace[n - 1][column]) + 1, params.max_tokens - n)
+            replayed.append(emitted)
+            n += emitted
+        assert req.stats.accept_lengths[: len(replayed)] == replayed, (method, budget)
+    spec = {"temperature": temperature, "prompt": len(prompt), "max_tokens": 40, "seed": 7, "trace": trace}
+    cost = synthetic_cost(1e-4)
+    for label in ("ar", "dflash", "ddtree-4", "auto"):
+        tokens, seconds = policy_sim.simulate_cell([spec, spec], label, cost, 2, False, sizes, 8)
+        assert tokens == 2 * 39 and seconds > 0

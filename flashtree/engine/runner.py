@@ -220,15 +220,11 @@ class ModelRunner:
 
     def admit(self, req: Request, running: list[Request]) -> None:
         """Decide, as a request is seated beside `running` (itself included), whether it may ever
-        draft (see Policy.admit), in the batch it is expected to run in: each request counts for
-        the share of this one's output it may overlap, by their max_tokens (a batch shrinks to a
-        tail of its longest requests, where drafting pays more)."""
+        draft (see Policy.admit), in the batch it is expected to run in (lifetime_rows)."""
         if self.policy is None or self.graphs is not None:
             req.speculative = True
             return
-        mine = max(1, req.params.max_tokens - len(req.output_ids))
-        rows = sum(min(max(0, r.params.max_tokens - len(r.output_ids)), mine) for r in running) / mine
-        req.speculative = self.policy.admit(req.params, max(1, round(rows)))
+        req.speculative = self.policy.admit(req.params, lifetime_rows(req, running))
 
     def seat(self, slot: int, source: int | None, length: int, state_key: int | None = None,
              speculative: bool = True) -> int:
@@ -689,6 +685,14 @@ class ModelRunner:
                 self.deferred.park(idle, staged["idle_ring"], features.index_select(0, staged["idle_rows"])[:, 0])
             elif ring_rows is not None:
                 self.deferred.park([s for s in slots if not self.plain[s]], ring_rows, features[:, 0])
+
+
+def lifetime_rows(req: Request, running: list[Request]) -> int:
+    """The batch a request being seated is expected to run in: each of `running` (itself included)
+    counts for the share of its output the other may overlap, by their max_tokens (a batch shrinks
+    to a tail of its longest requests, where drafting pays more)."""
+    mine = max(1, req.params.max_tokens - len(req.output_ids))
+    return max(1, round(sum(min(max(0, r.params.max_tokens - len(r.output_ids)), mine) for r in running) / mine))
 
 
 def selector_on(drafter: DFlashDrafter | None, wanted: bool | None) -> bool:
