@@ -203,9 +203,10 @@ def _one_pass(specs: list[dict], policy: Policy | None, label: str, cost: CostMo
         if not running:
             continue
         R, reqs = len(running), [r.req for r in running]
-        t0 = time.perf_counter()
         if policy is not None:
+            t0 = time.perf_counter()
             plan = policy.plan(reqs)
+            host += time.perf_counter() - t0
         else:
             method, budget = ("ddtree", int(label.split("-")[1])) if label.startswith("ddtree-") else (label, 0)
             plan = fixed_plan(R, method, block_size, min(budget, max(1, max_round_tokens // R - 1)))
@@ -219,9 +220,10 @@ def _one_pass(specs: list[dict], policy: Policy | None, label: str, cost: CostMo
         keys = max(len(r.prompt_ids) + len(r.output_ids) for r in reqs)
         cost_s = float(cost.round_seconds(R, plan.window, plan.drafting, plan.depth, plan.tree_rows, plan.budget,
                                           keys, sum(not r.params.greedy for r in reqs)))
-        if policy is not None:  # the runner times (and so observes) a sample of the AR rounds
-            if plan.drafting or policy.rounds % runner_module.AR_TIMED_EVERY == 0:
-                policy.observe(plan, [r.slot for r in reqs], kept, measured, cost_s)
+        # The runner times (and so observes) a sample of the AR rounds.
+        if policy is not None and (plan.drafting or policy.rounds % runner_module.AR_TIMED_EVERY == 0):
+            t0 = time.perf_counter()
+            policy.observe(plan, [r.slot for r in reqs], kept, measured, cost_s)
             host += time.perf_counter() - t0
         tokens += sum(r.emit(k) for r, k in zip(running, kept))
         seconds += cost_s + host
