@@ -139,14 +139,12 @@ class Policy:
         self.tokens = np.zeros(slots)  # each request's output tokens when last planned
         self.factor = np.ones(len(self.grid) + 2)  # timed / modelled seconds per arm; the last is AR's
         self.rounds = 0
-        # A plan decided ahead: for this batch, this many more rounds (None: AR steps).
-        self.hold: tuple[list[str], int, RoundPlan | None] = ([], 0, None)
+        self.hold: tuple[list[str], int, RoundPlan | None] = ([], 0, None)  # for this batch, rounds left, plan
         self._tables: dict[int, tuple[int, np.ndarray]] = {}
         self._plans: dict[tuple[int, int], RoundPlan] = {}
 
     def arm_plan(self, arm: int, rows: int) -> RoundPlan:
-        """A drafting arm's plan for every row of a batch, kept (building one each round was a tenth of
-        the plan's time)."""
+        """A drafting arm's plan for every row of a batch, kept (one built a round cost a tenth of planning)."""
         if (arm, rows) not in self._plans:
             chain = arm == self.chain_arm
             plan = fixed_plan(rows, "dflash" if chain else "ddtree", self.depth + 1, 0 if chain else self.grid[arm])
@@ -258,8 +256,8 @@ class Policy:
         self.tokens[slots] = [len(reqs[i].output_ids) for i in rows]
         classes = [self._class_of(s) for s in slots]
         gains, known = self.expected(classes, self._levels(slots, classes), slots)  # [k, arms]
-        room = [reqs[i].params.max_tokens - len(reqs[i].output_ids) - 1 for i in rows]  # drafted tokens it may keep
-        gains = np.minimum(gains, np.maximum(np.array(room, dtype=float), 0.0)[:, None])
+        room = [max(0, reqs[i].params.max_tokens - len(reqs[i].output_ids) - 1) for i in rows]  # drafts it may keep
+        gains = np.minimum(gains, np.array(room, dtype=float)[:, None])
         # A tree is played for its rate only once measured; before that, only to explore it.
         arm, k, rate = self._best(np.where(known > 0, gains, 0.0), table, R)
         baseline = max(rate, ar_rate)
@@ -283,8 +281,7 @@ class Policy:
                        tree_rows=len(chosen) if plan.tree_rows else 0, seconds=float(table[arm, k]),
                        predicted=[chosen.get(i, 0.0) for i in range(R)], explored=explored, keys=keys, sampled=sampled,
                        baseline=baseline)
-        if not explored:  # played again as it is: what the next rounds measure moves estimates little
-            self.hold = (ids, REPLAY - 1, plan)
+        self.hold = (ids, 0 if explored else REPLAY - 1, plan)  # replayed: the next rounds move estimates little
         return plan
 
     def _probe(self, reqs: list[Request], rows: list[int], classes: list[int], gains: np.ndarray, table: np.ndarray,
@@ -361,8 +358,7 @@ class Policy:
                 chain = st.chain_run(run, censored and run < self.depth, level)  # the chain along the spine
                 if counts:  # a tree round: every smaller tree exactly, and the chain on the same row
                     st.measured(level, counts, chain)
-                base = min(run, BASE)
-                st.leveled(base)
+                st.leveled(base := min(run, BASE))
                 if cls >= 0:  # the opening says little of the request either
                     rate = max(REQUEST_RATE, 1.0 / (1.0 + self.measured[s]))
                     self.level[s] += rate * (base - self.level[s])
