@@ -194,9 +194,9 @@ class Policy:
     def _claim(self, req: Request) -> None:
         s = req.slot
         if self.owner[s] != req.request_id:
-            if self.owner[s] is not None and self.measured[s]:  # its level as planning saw it (_levels)
+            if self.owner[s] is not None and self.measured[s]:
                 recent = self._stats(self.cls[s]).recent
-                recent[:] = [*recent[1 - RECENT:], float(self._levels([s], [self.cls[s]])[0])]
+                recent[:] = [*recent[1 - RECENT:], float(self.level[s])]
             self.owner[s], self.cls[s] = req.request_id, sampling_class(req.params)
             self.level[s], self.measured[s], self.due[s] = self._stats(self.cls[s]).level, 0.0, PROBE_TOKENS
 
