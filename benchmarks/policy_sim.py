@@ -10,7 +10,8 @@ and the chain would have kept from the accepted path (policy.by_size). `simulate
 method's rounds over those traces, the batch seated as the engine seats it (all at once, or one
 arrival every two rounds), each round priced by a cost model (CostModel.round_seconds: the tables
 `auto` measures at start-up, on whatever device built them) plus, for `auto`, the host time of its
-own planning; ar, dflash and ddtree-b pay only their rounds. Prefill is left out (every method pays
+own planning (this thread's CPU time, so other jobs do not inflate it); ar, dflash and ddtree-b pay
+only their rounds. Prefill is left out (every method pays
 the same). A cell's ratios are then exact for that cost model: what the policy chose, not how the
 machine drifted, so one run compares changes to the policy that a timed A/B could not tell apart.
 
@@ -195,18 +196,18 @@ def _one_pass(specs: list[dict], policy: Policy | None, label: str, cost: CostMo
             sim = SimRequest(waiting.pop(0), free.pop())
             running.append(sim)
             if policy is not None:
-                t0 = time.perf_counter()
+                t0 = time.thread_time()
                 rows = runner_module.lifetime_rows(sim.req, [r.req for r in running])
                 sim.req.speculative = bool(policy.admit(sim.req.params, rows))
-                host += time.perf_counter() - t0
+                host += time.thread_time() - t0
         rounds += 1
         if not running:
             continue
         R, reqs = len(running), [r.req for r in running]
         if policy is not None:
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             plan = policy.plan(reqs)
-            host += time.perf_counter() - t0
+            host += time.thread_time() - t0
         else:
             method, budget = ("ddtree", int(label.split("-")[1])) if label.startswith("ddtree-") else (label, 0)
             plan = fixed_plan(R, method, block_size, min(budget, max(1, max_round_tokens // R - 1)))
@@ -222,9 +223,9 @@ def _one_pass(specs: list[dict], policy: Policy | None, label: str, cost: CostMo
                                           keys, sum(not r.params.greedy for r in reqs)))
         # The runner times (and so observes) a sample of the AR rounds.
         if policy is not None and (plan.drafting or policy.rounds % runner_module.AR_TIMED_EVERY == 0):
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             policy.observe(plan, [r.slot for r in reqs], kept, measured, cost_s)
-            host += time.perf_counter() - t0
+            host += time.thread_time() - t0
         tokens += sum(r.emit(k) for r, k in zip(running, kept))
         seconds += cost_s + host
         for r in [r for r in running if r.done]:
