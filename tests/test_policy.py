@@ -312,7 +312,6 @@ def test_estimates_are_scaled_by_what_the_rows_chosen_on_them_kept():
     assert factor < 0.5
     assert np.allclose(scaled, np.minimum(unscaled * factor, calibrated.cap))
     for policy in (calibrated, plain):
-        policy.hold = ([], 0, None)  # decide afresh, not replay the first round's plan
         for st in policy.classes.values():
             st.credit = 0.0  # no exploration round now
     assert plain.plan(reqs).drafting and not calibrated.plan(reqs).drafting
@@ -415,25 +414,6 @@ def test_a_requests_opening_has_statistics_of_its_own():
     assert drafted == [0] * PROBE_TOKENS + [1]
 
 
-def test_a_drafting_plan_is_replayed_while_the_batch_stays_the_same():
-    """Planning costs a few percent of a chain round on a small model, so a drafting plan decided
-    from estimates is played REPLAY rounds running (each one still observed) while the batch is the
-    same; a batch that changes is planned afresh at once, and an exploration is never replayed."""
-    from flashtree.engine.policy import REPLAY
-
-    policy = Policy(synthetic_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
-    reqs = _requests(2)
-    plans = _run(policy, reqs, accept=0.9, rounds=REPLAY)
-    assert plans[0].drafting and not plans[0].explored and all(p is plans[0] for p in plans)
-    assert policy.plan(reqs[:1]) is not plans[0]  # a request left: decided for the new batch
-    policy.hold = ([], 0, None)
-    st = policy.classes[0]
-    st.rows[:-1] = 0  # every tree thin again, with credit to explore one
-    st.credit = 10.0
-    first = policy.plan(reqs)
-    assert first.explored and policy.plan(reqs) is not first
-
-
 def test_exploration_plays_the_largest_thin_tree_only():
     """With credit to spare and no tree measured, the exploration round is the largest tree that
     fits (it measures every smaller one); short of the credit for it, no smaller tree is played
@@ -444,7 +424,6 @@ def test_exploration_plays_the_largest_thin_tree_only():
     st = policy.classes[0]
     st.rows[policy.chain_arm] = 100  # the chain is known; every tree is thin
     st.credit = 10.0
-    policy.hold = ([], 0, None)  # decide afresh, not replay the first round's plan
     assert policy.plan(reqs).arm == policy.grid.index(64)
     # Credit between what a tree of 2 and the tree of 64 are predicted to lose: no exploration.
     ar_seconds, table = policy.seconds(1)

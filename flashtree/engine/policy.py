@@ -35,7 +35,6 @@ SETTLE_ROWS = 32  # rows measured before a class whose drafts do not pay seats r
 EXPLORE, PROBE = 0.05, 0.02  # exploration credit: of the time drafting saved, and of all round time
 FACTOR_RATE = 0.1  # EMA weight of a timed round in its arm's cost factor
 HOLD_MAX = 32  # rounds AR steps may be decided ahead while the batch stays the same
-REPLAY = 4  # rounds a drafting plan is played while the batch stays the same (planning is ~6% of a chain round)
 PROBE_TOKENS = 8  # a request's tokens before a probe (its first rounds keep little at T = 0)
 RECENT = 8  # requests whose own levels a class keeps: a new one is seated plain only if none would draft
 SCOUT = 8  # requests seated while their class is settled on AR steps: one in this many may draft
@@ -139,12 +138,13 @@ class Policy:
         self.tokens = np.zeros(slots)  # each request's output tokens when last planned
         self.factor = np.ones(len(self.grid) + 2)  # timed / modelled seconds per arm; the last is AR's
         self.rounds = 0
-        self.hold: tuple[list[str], int, RoundPlan | None] = ([], 0, None)  # for this batch, rounds left, plan
+        self.hold: tuple[list[str], int] = ([], 0)  # AR steps decided ahead: for this batch, this many rounds
         self._tables: dict[int, tuple[int, np.ndarray]] = {}
         self._plans: dict[tuple[int, int], RoundPlan] = {}
 
     def arm_plan(self, arm: int, rows: int) -> RoundPlan:
-        """A drafting arm's plan for every row of a batch, kept (one built a round cost a tenth of planning)."""
+        """A drafting arm's plan for every row of a batch, kept (building one each round was a tenth of
+        the plan's time)."""
         if (arm, rows) not in self._plans:
             chain = arm == self.chain_arm
             plan = fixed_plan(rows, "dflash" if chain else "ddtree", self.depth + 1, 0 if chain else self.grid[arm])
@@ -243,8 +243,8 @@ class Policy:
 
         if self.hold[1] > 0 and self.hold[0] == ids:
             # Held rounds are timed too: every drafting arm is judged against AR's factor.
-            self.hold = (ids, self.hold[1] - 1, self.hold[2])
-            return steps() if self.hold[2] is None else self.hold[2]
+            self.hold = (ids, self.hold[1] - 1)
+            return steps()
         for r in reqs:
             self._claim(r)
         rows = [i for i, r in enumerate(reqs) if r.speculative]
@@ -256,8 +256,8 @@ class Policy:
         self.tokens[slots] = [len(reqs[i].output_ids) for i in rows]
         classes = [self._class_of(s) for s in slots]
         gains, known = self.expected(classes, self._levels(slots, classes), slots)  # [k, arms]
-        room = [max(0, reqs[i].params.max_tokens - len(reqs[i].output_ids) - 1) for i in rows]  # drafts it may keep
-        gains = np.minimum(gains, np.array(room, dtype=float)[:, None])
+        room = [reqs[i].params.max_tokens - len(reqs[i].output_ids) - 1 for i in rows]  # drafted tokens it may keep
+        gains = np.minimum(gains, np.maximum(np.array(room, dtype=float), 0.0)[:, None])
         # A tree is played for its rate only once measured; before that, only to explore it.
         arm, k, rate = self._best(np.where(known > 0, gains, 0.0), table, R)
         baseline = max(rate, ar_rate)
@@ -270,19 +270,17 @@ class Policy:
             if probe is None:
                 # AR steps measure nothing: held until the batch changes, or an exploration or probe is due.
                 due = [self.due[reqs[i].slot] - 1 - len(reqs[i].output_ids) for i in rows]
-                self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])), None)
+                self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])))
                 return steps(ar_seconds)
             arm, explored, baseline = self.chain_arm, True, ar_rate
             rows = [rows[j] for j in probe]
             gains, k = gains[probe], len(probe)
         chosen = {rows[i]: float(gains[i, arm]) for i in np.argsort(-gains[:, arm], kind="stable")[:k]}
         plan = self.arm_plan(arm, R)
-        plan = replace(plan, modes=[plan.modes[0] if i in chosen else AR for i in range(R)], draft_rows=sorted(chosen),
+        return replace(plan, modes=[plan.modes[0] if i in chosen else AR for i in range(R)], draft_rows=sorted(chosen),
                        tree_rows=len(chosen) if plan.tree_rows else 0, seconds=float(table[arm, k]),
                        predicted=[chosen.get(i, 0.0) for i in range(R)], explored=explored, keys=keys, sampled=sampled,
                        baseline=baseline)
-        self.hold = (ids, 0 if explored else REPLAY - 1, plan)  # replayed: the next rounds move estimates little
-        return plan
 
     def _probe(self, reqs: list[Request], rows: list[int], classes: list[int], gains: np.ndarray, table: np.ndarray,
                R: int, ar_rate: float) -> list[int] | None:
@@ -358,7 +356,8 @@ class Policy:
                 chain = st.chain_run(run, censored and run < self.depth, level)  # the chain along the spine
                 if counts:  # a tree round: every smaller tree exactly, and the chain on the same row
                     st.measured(level, counts, chain)
-                st.leveled(base := min(run, BASE))
+                base = min(run, BASE)
+                st.leveled(base)
                 if cls >= 0:  # the opening says little of the request either
                     rate = max(REQUEST_RATE, 1.0 / (1.0 + self.measured[s]))
                     self.level[s] += rate * (base - self.level[s])
