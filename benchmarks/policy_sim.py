@@ -11,15 +11,18 @@ method's rounds over those traces, the batch seated as the engine seats it (all 
 arrival every two rounds), each round priced by a cost model (CostModel.round_seconds: the tables
 `auto` measures at start-up, on whatever device built them) plus, for `auto`, the host time of its
 own planning (this thread's CPU time, so other jobs do not inflate it); ar, dflash and ddtree-b pay
-only their rounds. Prefill is left out (every method pays
-the same). A cell's ratios are then exact for that cost model: what the policy chose, not how the
-machine drifted, so one run compares changes to the policy that a timed A/B could not tell apart.
+only their rounds. Prefill is left out (every method pays the same). A cell's ratios are then exact
+for that cost model (up to the float rounding by which a real engine's drafter context, computed in
+windows of other sizes, can move a near-tie draft): what the policy chose, not how the machine
+drifted, so one run compares
+changes to the policy that a timed A/B could not tell apart. What it does not see: whatever a real
+round costs beyond the model's tables, and the engine's upkeep for `auto` (docs/benchmarks.md).
 
 It also gives the GPU goal of the policy issue, a grid at the Qwen3-8B shape with the demo pair's
 acceptance (random 8B weights accept nothing): gpu_check.py simulates the shipped demo traces
 with the cost model an 8B-shaped `auto` engine measured on the GPU.
 
-    python benchmarks/policy_sim.py record --out benchmarks/data/demo_traces.npz      # ~5 min, 2 cores
+    python benchmarks/policy_sim.py record --out benchmarks/data/demo_traces.npz      # ~4 min, one core
     python benchmarks/policy_sim.py simulate --traces benchmarks/data/demo_traces.npz
 """
 
