@@ -243,6 +243,9 @@ def simulate(data: dict, cost: CostModel, temperatures: list[float], batches: li
     sizes, rows = data["sizes"], []
     for t in temperatures:
         pool = [r for r in data["requests"] if r["temperature"] == t]
+        if not pool:
+            raise SystemExit(f"policy_sim: nothing recorded at T={t}; the traces hold "
+                             f"T = {sorted({r['temperature'] for r in data['requests']})}")
         for b in batches:
             n = max(8, per_batch * b)
             if len(pool) < n:
@@ -296,8 +299,12 @@ def main() -> None:
     path = Path(args.traces)
     if not path.is_file():
         raise SystemExit(f"policy_sim: no traces at {path}; record them first (policy_sim.py record --out {path})")
-    rows = simulate(load_traces(path), demo_cost(args.drafter, max(args.batches)), args.temperatures, args.batches,
-                    args.shapes, passes=args.passes)
+    try:
+        data = load_traces(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"policy_sim: {path} is not a traces file from `policy_sim.py record` ({e})") from None
+    rows = simulate(data, demo_cost(args.drafter, max(args.batches)), args.temperatures, args.batches, args.shapes,
+                    passes=args.passes)
     worst = min(rows, key=lambda r: r["auto_x_best"])
     print(f"\nworst auto/best {worst['auto_x_best']:.3f} (T={worst['temperature']}, batch {worst['batch']}, "
           f"{worst['shape']}); worst auto/ar {min(r['auto_x_ar'] for r in rows):.3f}")
