@@ -213,7 +213,7 @@ def _one_pass(specs: list[dict], policy: Policy | None, label: str, cost: CostMo
             host += time.thread_time() - t0
         else:
             method, budget = ("ddtree", int(label.split("-")[1])) if label.startswith("ddtree-") else (label, 0)
-            plan = fixed_plan(R, method, block_size, min(budget, max(1, max_round_tokens // R - 1)))
+            plan = fixed_plan(R, method, block_size, min(budget, runner_module.budget_cap(max_round_tokens, R)))
         column = sizes.index(plan.budget) if plan.tree_rows else None
         kept = [r.kept(plan.modes[i], column) for i, r in enumerate(running)]
         if plan.measure:  # the policy's grid (all of the trace's sizes, or captured, the powers of two)
@@ -224,8 +224,7 @@ def _one_pass(specs: list[dict], policy: Policy | None, label: str, cost: CostMo
         keys = max(len(r.prompt_ids) + len(r.output_ids) for r in reqs)
         cost_s = float(cost.round_seconds(R, plan.window, plan.drafting, plan.depth, plan.tree_rows, plan.budget,
                                           keys, sum(not r.params.greedy for r in reqs)))
-        # The runner times (and so observes) a sample of the AR rounds.
-        if policy is not None and (plan.drafting or policy.rounds % runner_module.AR_TIMED_EVERY == 0):
+        if policy is not None and runner_module.timed(plan, policy.rounds):
             t0 = time.thread_time()
             policy.observe(plan, [r.slot for r in reqs], kept, measured, cost_s)
             host += time.thread_time() - t0

@@ -206,7 +206,7 @@ class ModelRunner:
     def round_budget(self, n: int) -> int:
         """Per-request tree budget for a batch of n: capped so all trees fit max_round_tokens
         (with static shapes, to a candidate budget: the window stays in a bucket)."""
-        cap = max(1, self.config.max_round_tokens // n - 1)
+        cap = budget_cap(self.config.max_round_tokens, n)
         if self.static:
             return budget_bucket(self.config.tree_budget, cap)
         return min(self.config.tree_budget, cap)
@@ -424,7 +424,7 @@ class ModelRunner:
         throughput is tokens over wall time. A long gap is an idle engine, not work. Plain AR
         rounds teach only their time, and a sample of them keeps it current."""
         end = time.perf_counter()
-        if plan.drafting or self.policy.rounds % AR_TIMED_EVERY == 0:
+        if timed(plan, self.policy.rounds):
             gap = t0 - self._last_end if self._last_end is not None else 0.0
             self.learn(plan, slots, counts, end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0), held, paths)
         self._last_end = time.perf_counter()
@@ -685,6 +685,16 @@ class ModelRunner:
                 self.deferred.park(idle, staged["idle_ring"], features.index_select(0, staged["idle_rows"])[:, 0])
             elif ring_rows is not None:
                 self.deferred.park([s for s in slots if not self.plain[s]], ring_rows, features[:, 0])
+
+
+def timed(plan: RoundPlan, rounds: int) -> bool:
+    """Whether a round under budget="auto" is timed, and so observed: every drafting round, a sample of AR ones."""
+    return bool(plan.drafting) or rounds % AR_TIMED_EVERY == 0
+
+
+def budget_cap(max_round_tokens: int, rows: int) -> int:
+    """The most drafted nodes a row's tree may have for a batch of `rows` to fit max_round_tokens."""
+    return max(1, max_round_tokens // rows - 1)
 
 
 def lifetime_rows(req: Request, running: list[Request]) -> int:
