@@ -136,13 +136,19 @@ class CostModel:
         """What the tables (greedy, CONTEXT keys deep) leave out: (verify, drafter pass) seconds of `keys`
         committed keys a row (negative below CONTEXT), and the seeded noise of `sampled` rows over `window`
         nodes at `positions` distinct positions (nodes at one depth share it). Numpy arrays broadcast."""
+        verify, draft, noise = self.per_key(rows, window, drafting, sampled, positions)
+        deeper = keys - CONTEXT
+        return verify * deeper, draft * deeper, noise
+
+    def per_key(self, rows, window, drafting, sampled: int = 0, positions=1) -> tuple:
+        """extra()'s (verify, drafter pass) seconds per key past CONTEXT, and its noise: the policy keeps
+        them per batch, since only the keys change from round to round."""
         if self.replays:  # captured, a round runs its batch bucket, every row drafting where any does
             rows = self.bucket(rows)
             drafting = np.where(np.asarray(drafting) > 0, rows, 0)
         per_row, per_node, per_draft = self.keys
         first, node, position = self.sample
-        deeper = keys - CONTEXT
-        return ((per_row + per_node * window) * rows * deeper, per_draft * drafting * deeper,
+        return ((per_row + per_node * window) * rows, per_draft * drafting,
                 sampled * (first + node * (window - 1) + position * (positions - 1)))
 
     def refine(self, rows: int, window: int, drafting: int, depth: int, tree_rows: int, budget: int,

@@ -25,7 +25,7 @@ from flashtree.sampling import SamplingParams
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 BASE, P = 3, 0.5  # the paired base (spine nodes), and the tokens added to it in the chain's shape
-LEVELS = (1.5, 2.5)  # bins of a row's level, each with its own tree statistics
+LEVELS = np.array([1.5, 2.5])  # bins of a row's level, each with its own tree statistics
 LEVEL_RATE, REQUEST_RATE, SHAPE_RATE = 0.05, 0.3, 0.02  # EMA weights: per class row, per request round, per row
 OWN_ROUNDS, OWN_RUNS = 2, 4  # after n rounds a request's own level, and its own chain run, count n / (n + these)
 KNOWN = 8  # rows measured before an arm's estimate is trusted without exploring it
@@ -70,6 +70,7 @@ class ClassStats:
         self.seen = np.zeros_like(self.kept[0])  # the class's round when each was last measured
         self.reached = np.full(depth, float(PRIOR_ROWS))  # the chain: rows that reached each depth ...
         self.stopped = self.reached / (depth / 2 + 1)  # ... and stopped there (prior: ~half kept)
+        self._survive()
         self.round, self.credit = 0, 0.0  # the class's rounds; seconds exploration may spend
         self.seated = 0.0  # scouts owed to requests seated plain (admit)
         self.recent: list[float] = []  # the own levels of its last RECENT measured requests
@@ -86,12 +87,14 @@ class ClassStats:
     def chain_run(self, run: int, censored: bool, level: int = 0) -> float:
         """The chain kept `run` drafted tokens, and stopped at the next one unless censored; returns its
         expected run (past `run` where censored, from the survival before this row)."""
-        run, survival = int(run), np.cumprod(1 - self.stopped / self.reached)
+        run, survival = int(run), self.survival
         expected = run + survival[run:].sum() / (survival[run - 1] if run else 1.0) if censored else run
-        self.reached, self.stopped = self.reached * (1 - SHAPE_RATE), self.stopped * (1 - SHAPE_RATE)
+        self.reached *= 1 - SHAPE_RATE
+        self.stopped *= 1 - SHAPE_RATE
         self.reached[: run + (not censored)] += 1
         if not censored and run < len(self.stopped):
             self.stopped[run] += 1
+        self._survive()
         self.rows[-1, level] += 1
         self.seen[-1, level] = self.round
         return float(expected)
@@ -106,9 +109,13 @@ class ClassStats:
     def scale(self) -> float:  # kept / predicted, bounded so a class on AR steps drafts again where raw estimates soar
         return min(max(self.calibration[1] / max(self.calibration[0], 1e-9), SCALE_MIN), 1 / SCALE_MIN)
 
+    def _survive(self) -> None:  # the chain's survival by depth, kept: every plan reads it, few rounds move it
+        self.survival = np.cumprod(1 - self.stopped / self.reached)
+        self.expected_run = self.survival.sum()
+
     @property
     def shape(self) -> float:  # the chain's: its expected run over level + P
-        return np.cumprod(1 - self.stopped / self.reached).sum() / (self.level + P)
+        return self.expected_run / (self.level + P)
 
     def leveled(self, base: float) -> None:
         self.level += max(LEVEL_RATE, 1.0 / (1.0 + PRIOR_ROWS + self.level_rows)) * (base - self.level)
@@ -141,6 +148,7 @@ class Policy:
         self.hold: tuple[list[str], int] = ([], 0)  # AR steps decided ahead: for this batch, this many rounds
         self._tables: dict[int, tuple[int, np.ndarray]] = {}
         self._plans: dict[tuple[int, int], RoundPlan] = {}
+        self._per_key: dict[tuple[int, int], tuple] = {}  # seconds() per (rows, sampled): cost.per_key's
 
     def arm_plan(self, arm: int, rows: int) -> RoundPlan:
         """A drafting arm's plan for every row of a batch, kept (building one each round was a tenth of
@@ -154,10 +162,12 @@ class Policy:
     def seconds(self, rows: int, keys: int = CONTEXT, sampled: int = 0) -> tuple[float, np.ndarray]:
         """AR steps' seconds for `rows` rows (`sampled` not greedy, the deepest `keys` keys deep), and
         [arms, rows + 1]: each arm's with k rows drafting (inf where it exceeds max_round_tokens)."""
-        c, table = self.cost, self._table(rows)
-        verify, draft, noise = c.extra(rows, self.windows[:, None], np.arange(rows + 1), keys, sampled,
-                                       self.positions[:, None])
-        table = np.maximum(table + (verify + noise + draft) * c.scale, 0.5 * table) * self.factor[:, None]
+        c, base, d = self.cost, self._table(rows), keys - CONTEXT
+        if (rows, sampled) not in self._per_key:
+            self._per_key[rows, sampled] = c.per_key(rows, self.windows[:, None], np.arange(rows + 1), sampled,
+                                                     self.positions[:, None])
+        verify, draft, noise = self._per_key[rows, sampled]
+        table = np.maximum(base + (verify * d + noise + draft * d) * c.scale, 0.5 * base) * self.factor[:, None]
         return table[-1, 0], table[:-1]
 
     def ar_seconds(self, rows: int, keys: int = CONTEXT, sampled: int = 0) -> float:
@@ -211,18 +221,19 @@ class Policy:
         each estimate rests on (at most KNOWN). A tree keeps what it kept in the row's level bin, less where
         the chain is expected to keep less than it did on those rows; never measured there, the chain's first b."""
         uniq = sorted(set(classes))
-        idx, stats, bins = [uniq.index(c) for c in classes], [self._stats(c) for c in uniq], np.digitize(levels, LEVELS)
+        idx, stats = [uniq.index(c) for c in classes], [self._stats(c) for c in uniq]
+        bins = LEVELS.searchsorted(levels, "right")
         chain = np.array([st.shape for st in stats])[idx][:, None] * (np.asarray(levels)[:, None] + P)
         if slots is not None:  # requests unlike their class's others, by their own runs once the class is measured
             own = self.measured[slots] / (self.measured[slots] + OWN_RUNS)
             own = (own * [stats[i].level_rows >= SETTLE_ROWS for i in idx])[:, None]
             chain = own * self.run[slots][:, None] + (1 - own) * chain
         per = np.array([(s.rows, s.round - s.seen, *s.kept) for s in stats])[idx, :, :, bins]
-        rows, age, kept, paired = np.moveaxis(per, 1, 0)  # each [rows, arms], at the row's level bin
+        rows, age, kept, paired = per.transpose(1, 0, 2)  # each [rows, arms], at the row's level bin
         known = np.where(age <= STALE, np.minimum(rows, KNOWN), 0)
-        shifted = np.clip(chain + kept - paired, 0.0, kept)[:, :-1]  # moved down with the chain, never up
+        shifted = np.minimum(np.maximum(chain + kept - paired, 0.0), kept)[:, :-1]  # moved down with the chain only
         trees = np.where(rows[:, :-1] > 0, shifted, chain * self.cap[:-1] / self.depth)
-        out = np.append(np.maximum.accumulate(trees, axis=1), chain, axis=1)
+        out = np.concatenate((np.maximum.accumulate(trees, axis=1), chain), axis=1)
         opening = np.array(classes) < 0  # an opening: the chain or AR steps, never explored
         out[opening, :-1], known[opening] = 0.0, KNOWN
         known[:, -1] = np.maximum(known[:, -1], 1)  # the chain rests on its prior from the start
@@ -300,7 +311,7 @@ class Policy:
         order = -np.sort(-gains, axis=0)  # [k, arms], each arm's gains descending
         tokens = R + np.cumsum(order, axis=0)  # [k, arms]: tokens with the best 1..k rows drafting
         rates = tokens.T / table[:, 1 : gains.shape[0] + 1]  # [arms, k]
-        arm, k = np.unravel_index(np.argmax(rates), rates.shape)
+        arm, k = divmod(int(rates.argmax()), rates.shape[1])
         return int(arm), int(k) + 1, float(rates[arm, k])
 
     def _explore(self, classes: set[int], gains: np.ndarray, known: np.ndarray, table: np.ndarray, R: int,
@@ -310,7 +321,7 @@ class Policy:
         gains grow slower), else the chain if thin, once the credit covers it; and the credit still short."""
         sizes = self.windows[:-2] - 1.0
         lift = np.where(known[:, :-1] > 0, np.maximum(gains[:, :-1] - gains[:, -1:], 0.0) / sizes, -1.0).max(1)
-        reach = gains[:, -1:] + np.append(lift[:, None] * sizes, np.full((len(gains), 1), np.inf), 1)
+        reach = gains[:, -1:] + np.concatenate((lift[:, None] * sizes, np.full((len(gains), 1), np.inf)), axis=1)
         upper = np.where(lift[:, None] >= 0, np.minimum(reach, self.cap), self.cap).sum(0)
         thin = np.flatnonzero((known < KNOWN).any(0) & ((R + upper) / table[:, len(gains)] > best_rate))
         if not len(thin):
@@ -345,7 +356,7 @@ class Policy:
                                         else EXPLORE * max(0.0, tokens * ar_seconds / R - seconds))
             drafted = [slots[i] for i in plan.draft_rows]
             classes = [self._class_of(s) for s in drafted]
-            bins = np.digitize(self._levels(drafted, classes), LEVELS)
+            bins = LEVELS.searchsorted(self._levels(drafted, classes), "right")
             for n, (s, cls, level) in enumerate(zip(drafted, classes, bins)):
                 st = self._stats(cls)
                 row = plan.draft_rows[n]
