@@ -24,7 +24,7 @@ from torch import Tensor
 
 from flashtree.config import EngineConfig
 from flashtree.cache import RecurrentState, SlidingDraftCache
-from flashtree.engine.cost_model import CONTEXT, DEFAULT_SECONDS, save, startup
+from flashtree.engine.cost_model import CONTEXT, DEFAULT_SECONDS, CostModel, Grid, Timer, save, startup
 from flashtree.engine.draft_context import DeferredContext
 from flashtree.engine.graphs import RoundGraphs
 from flashtree.engine.logprobs import pack, unpack
@@ -197,6 +197,48 @@ class ModelRunner:
                 start = min(CONTEXT, self.cache.max_len - self.max_window - 1)
                 self.policy.cost.replays = self.graphs.timed(self, start, dummy=config.max_batch)
                 self.policy.cost.bucket = batch_bucket
+        elif self.policy is not None and self.policy.cost.source == "measured":
+            self.time_rounds(self.policy.cost)
+            save(self.cost_path, self.cost_key, self.policy.cost)
+
+    @torch.inference_mode()
+    def time_rounds(self, cost: CostModel) -> None:
+        """Set the cost model's overhead cells, what a round costs past its tables' stages (the pick,
+        walk, K/V compaction, drafter context, host read), from whole eager rounds at each of its row
+        points, CONTEXT keys deep: AR steps of plain rows, and the chain. Learned online from zero,
+        a workload's first drafting rounds ran 1.2-1.6x their price against AR steps."""
+        keys = min(CONTEXT, self.cache.max_len - self.max_window - 2)
+        timer = Timer(self.device, float("inf"))  # fixed repeats: tensor-parallel ranks run alike
+        values = cost.overhead.values.copy()
+        for i, rows in enumerate(int(r) for r in cost.overhead.xs):
+            if rows > self.config.max_batch:  # a grid has two row points even at max_batch = 1
+                values[i] = values[i - 1]
+                continue
+            for drafting in (0, 1):
+                reqs = [padding_request(s) for s in range(rows)]
+                for r in reqs:
+                    r.speculative = bool(drafting)
+                plan = fixed_plan(rows, "dflash" if drafting else "ar", self.block_size, 0)
+
+                def reset() -> None:  # every row CONTEXT keys deep, nothing held back
+                    for s in range(rows):
+                        self.seat(s, None, 0, speculative=bool(drafting))
+                        self.cache.set_length(s, keys)
+                        if drafting:
+                            self.draft_cache.set_length(s, keys)
+
+                def round_() -> None:
+                    reset()
+                    self.run_round(reqs, plan, rows)
+
+                round_()  # a shape's first rounds run slower (allocation, kernel selection): two untimed
+                seconds = timer(round_, repeats=3) - timer(reset)
+                staged = float(cost.verify(rows, plan.window)) + drafting * float(cost.draft(rows, plan.depth))
+                values[i, drafting] = seconds - staged
+        for s in range(self.config.max_batch):
+            self.seat(s, None, 0)
+        cost.overhead = Grid(cost.overhead.xs, cost.overhead.ys, values, cost.overhead.monotone, cost.overhead.floor)
+        self._last_end = None
 
     @property
     def capture_seconds(self) -> float:
@@ -379,8 +421,18 @@ class ModelRunner:
         real = len(reqs)
         if self.static and self.policy is None:  # pad the batch to its bucket (greedy rows, dummy slot)
             reqs = reqs + self.pads[: batch_bucket(real) - real]
-        slots = [r.slot for r in reqs]
         plan = self.plan(reqs)
+        emitted, logprobs, (counts, held, paths) = self.run_round(reqs, plan, real)
+        self.last_plan = plan
+        if self.policy is not None:
+            self.time_round(plan, [r.slot for r in reqs], counts, t0, held, paths)
+        return emitted, dict(self.clock.seconds), logprobs
+
+    def run_round(self, reqs: list[Request], plan: RoundPlan, real: int
+                  ) -> tuple[list[list[int]], list[list[TokenLogprob] | None], tuple]:
+        """An eager round of `plan`: the emitted tokens and logprobs of the first `real` rows, and
+        what the policy learns from it (accepted counts, held-back context appended, path codes)."""
+        slots = [r.slot for r in reqs]
         starts = [self.cache.lengths[s] for s in slots]
         parking = [r.speculative for r in reqs] if self.deferred is not None else []  # AR rows of these park
         # An all-AR round parks every row at once (a plain row's write is never read: it holds nothing back).
@@ -413,10 +465,7 @@ class ModelRunner:
         elif self.mtp is not None:
             with self.clock.stage("draft"):
                 self.mtp.accept(batch, spec, walk.path, out.features, counts)
-        self.last_plan = plan
-        if self.policy is not None:
-            self.time_round(plan, slots, counts, t0, held, paths)
-        return emitted, dict(self.clock.seconds), logprobs
+        return emitted, logprobs, (counts, held, paths)
 
     def time_round(self, plan: RoundPlan, slots: list[int], counts: list[int], t0: float, held: tuple[float, int],
                    paths: list[list[int]] | None) -> None:
