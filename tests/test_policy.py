@@ -880,8 +880,43 @@ def test_cost_cache_is_written_reused_and_invalidated(pair, tmp_path):
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     assert LLMEngine(EngineConfig(**cfg)).runner.policy.cost.source == "measured"
     assert cost_model.measurements == before + 3
-    # The startup measurement left every slot empty.
+    # The whole rounds' prices are cached with the tables, and the start-up left every slot empty.
+    assert np.array_equal(again.policy.cost.overhead.values, first.policy.cost.overhead.values)
     assert again.cache.lengths == [0] * 8
+    assert first.cache.lengths == [0] * 8 and first.draft_cache.lengths == [0] * 8
+
+
+def test_startup_prices_whole_rounds_by_their_excess_over_the_stage_tables(pair, monkeypatch):
+    """A fresh engine times AR steps and the chain as whole rounds at every row point, and the
+    overhead cells hold what each took past the stage tables' price (negative where the tables run
+    high), so a drafting round's price is what it was timed at, not its stages' sum."""
+    from flashtree.engine.runner import ModelRunner
+
+    def timed(self, fn, repeats=2):  # every point a fixed time: the round 9 ms, its reset 1 ms
+        fn()
+        return {"round_": 0.009, "reset": 0.001}.get(fn.__name__, 0.002)
+
+    rounds = []
+    run_round = ModelRunner.run_round
+
+    def recorded(self, reqs, plan, real):
+        rounds.append((len(reqs), plan.drafting, plan.window, all(r.speculative for r in reqs) == bool(plan.drafting)))
+        return run_round(self, reqs, plan, real)
+
+    monkeypatch.setattr(cost_model.Timer, "__call__", timed)
+    monkeypatch.setattr(ModelRunner, "run_round", recorded)
+    target, drafter = pair
+    eng = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", max_model_len=64,
+                                 max_budget=16, max_batch=4, cost_cache="off"))
+    cost, depth = eng.runner.policy.cost, eng.runner.block_size - 1
+    assert {(n, d > 0, ok) for n, d, _, ok in rounds} == {(n, d, True) for n in (1, 2, 4) for d in (False, True)}
+    for rows in (1, 2, 4):
+        ar = float(cost.verify(rows, 1))
+        chain = float(cost.verify(rows, depth + 1)) + float(cost.draft(rows, depth))
+        assert np.isclose(float(cost.overhead(rows, 0)), 0.008 - ar)
+        assert np.isclose(float(cost.overhead(rows, 1)), 0.008 - chain)
+        assert np.isclose(cost.round_seconds(rows, depth + 1, rows, depth, 0, 0), 0.008)
+    assert eng.runner.cache.lengths == [0] * 4 and eng.runner.draft_cache.lengths == [0] * 4
 
 
 def test_startup_times_only_the_work_it_names(pair, monkeypatch):
