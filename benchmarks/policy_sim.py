@@ -6,7 +6,10 @@ What a round accepts depends on nothing a method chooses: every method commits t
 top-b tree (or the chain) drafted from there would keep is fixed. `record` measures it at every
 output position of every request: one ddtree engine at the largest budget whose rounds verify the
 whole tree but commit only the root's token (an AR step's), reading what every smaller top-b tree
-and the chain would have kept from the accepted path (policy.by_size). `simulate` then plays each
+kept from the accepted path (policy.by_size), and one dflash engine run the same way, reading the
+chain's run (a tree's spine can end before the chain would: its run there is only a bound). A
+played tree's round then tells the policy what that tree's round would in the engine: the chain's
+run along its own spine, cut where the spine ends. `simulate` then plays each
 method's rounds over those traces, the batch seated as the engine seats it (all at once, or one
 arrival every two rounds), each round priced by a cost model (CostModel.round_seconds: the tables
 `auto` measures at start-up, on whatever device built them) plus, for `auto`, the host time of its
@@ -22,7 +25,7 @@ It also gives the GPU goal of the policy issue, a grid at the Qwen3-8B shape wit
 acceptance (random 8B weights accept nothing): gpu_check.py simulates the shipped demo traces
 with the cost model an 8B-shaped `auto` engine measured on the GPU.
 
-    python benchmarks/policy_sim.py record --out benchmarks/data/demo_traces.npz      # ~4 min, one core
+    python benchmarks/policy_sim.py record --out benchmarks/data/demo_traces.npz      # ~6 min, one core
     python benchmarks/policy_sim.py simulate --traces benchmarks/data/demo_traces.npz
 """
 
@@ -53,6 +56,7 @@ from flashtree.engine.shapes import TREE_BUCKETS  # noqa: E402
 from flashtree.tree.walk import WalkResult  # noqa: E402
 
 MAX_BUDGET = 64  # policy_heldout's engines: auto's trees and the largest fixed one
+FORMAT = 2  # traces: per row, kept per tree size, the spine's run and end, the chain's run
 LABELS = ["ar", "dflash", "ddtree-4", "ddtree-8", "ddtree-16", "ddtree-32", "ddtree-64", "auto"]
 
 
@@ -65,14 +69,15 @@ def sizes_for(max_budget: int) -> list[int]:
 
 
 @contextmanager
-def root_only_rounds(rows: list[list[int]]):
-    """While inside, every round's walk is recorded (its path codes, appended to `rows`) and then cut
-    to the root, so the round commits one token, the AR step's, whatever its tree accepted."""
+def root_only_rounds(rows: list, chain: bool = False):
+    """While inside, every round's walk is recorded (a tree's path codes, or the chain's accepted
+    drafts, appended to `rows`) and then cut to the root, so the round commits one token, the AR
+    step's, whatever it accepted."""
     walk = runner_module.accept_walk
 
     def one_token(spec, picks) -> WalkResult:
         full = walk(spec, picks)
-        rows.extend(runner_module.path_codes(spec, full.path).tolist())
+        rows.extend((full.num_nodes - 1).tolist() if chain else runner_module.path_codes(spec, full.path).tolist())
         path = torch.full_like(full.path, -1)
         path[:, 0] = 0
         tokens = torch.full_like(full.tokens, -1)
@@ -86,20 +91,24 @@ def root_only_rounds(rows: list[list[int]]):
         runner_module.accept_walk = walk
 
 
-def record_request(eng: LLMEngine, ids: list[int], params: SamplingParams, sizes: list[int]) -> np.ndarray:
-    """One request's trace from `eng`, a ddtree engine at the budget sizes[-1], batch 1: row i is
-    the round that starts with i + 1 output tokens (the first is the prefill's): per b in sizes the
-    drafted tokens the top-b tree keeps, the chain's run, whether it reached the spine's end."""
+def record_request(eng: LLMEngine, chain: LLMEngine, ids: list[int], params: SamplingParams, sizes: list[int]
+                   ) -> np.ndarray:
+    """One request's trace from `eng`, a ddtree engine at the budget sizes[-1], and `chain`, a dflash
+    engine, both at batch 1: row i is the round that starts with i + 1 output tokens (the first is the
+    prefill's): per b in sizes the drafted tokens the top-b tree keeps, the run along its spine and
+    whether it reached the spine's end (by_size), and the chain's run."""
     codes: list[list[int]] = []
-    with root_only_rounds(codes):
-        eng.add_request(ids, params)
-        while eng.has_unfinished:
-            eng.step()
-    if len(codes) != params.max_tokens - 1:
-        raise RuntimeError(f"policy_sim: {len(codes)} rounds for {params.max_tokens} tokens; the engine must run "
-                           "one request at a time, with no stop but max_tokens (ignore_eos)")
-    rows = [[*counts, run, end] for counts, run, end in (by_size(c, sizes) for c in codes)]
-    return np.array(rows, np.uint8).reshape(len(codes), len(sizes) + 2)
+    runs: list[int] = []
+    for engine, rows, is_chain in ((eng, codes, False), (chain, runs, True)):
+        with root_only_rounds(rows, is_chain):
+            engine.add_request(ids, params)
+            while engine.has_unfinished:
+                engine.step()
+        if len(rows) != params.max_tokens - 1:
+            raise RuntimeError(f"policy_sim: {len(rows)} rounds for {params.max_tokens} tokens; the engine must run "
+                               "one request at a time, with no stop but max_tokens (ignore_eos)")
+    rows = [[*counts, run, end, r] for (counts, run, end), r in zip((by_size(c, sizes) for c in codes), runs)]
+    return np.array(rows, np.uint8).reshape(len(codes), len(sizes) + 3)
 
 
 def record(temperatures: list[float], requests: int, packages: tuple[str, ...], max_budget: int,
@@ -108,16 +117,19 @@ def record(temperatures: list[float], requests: int, packages: tuple[str, ...], 
     base = H.engine("ar", 1, None, drafter)
     eng = LLMEngine(EngineConfig(drafter=drafter, method="ddtree", budget=max_budget, max_budget=max_budget,
                                  max_batch=1, max_model_len=1024, prefix_cache=False), share_weights=base)
+    chain = LLMEngine(EngineConfig(drafter=drafter, method="dflash", max_batch=1, max_model_len=1024,
+                                   prefix_cache=False), share_weights=base)
     sizes = sizes_for(max_budget)
     texts = H.heldout_prompts(requests, packages=packages)
-    out = {"sizes": sizes, "block_size": eng.runner.block_size, "packages": list(packages), "requests": []}
+    out = {"format": FORMAT, "sizes": sizes, "block_size": eng.runner.block_size, "packages": list(packages),
+           "requests": []}
     for t in temperatures:
         for i, text in enumerate(texts[:requests]):
             ids = base.encode(text)[-400:]
             params = SamplingParams(temperature=t, max_tokens=H.LENGTHS[i % len(H.LENGTHS)], ignore_eos=True,
                                     seed=1000 + i)
             out["requests"].append({"temperature": t, "prompt": len(ids), "max_tokens": params.max_tokens,
-                                    "seed": params.seed, "trace": record_request(eng, ids, params, sizes)})
+                                    "seed": params.seed, "trace": record_request(eng, chain, ids, params, sizes)})
             print(f"recorded T={t} request {i}", file=sys.stderr, flush=True)
     return out
 
@@ -131,6 +143,9 @@ def save_traces(path: Path, data: dict) -> None:
 def load_traces(path: Path) -> dict:
     with np.load(path) as z:
         data = json.loads(str(z["meta"]))
+        if data.get("format") != FORMAT:
+            raise ValueError(f"recorded by an older policy_sim (format {data.get('format', 1)}, this one reads "
+                             f"{FORMAT}); record it again")
         for i, r in enumerate(data["requests"]):
             r["trace"] = z[f"trace{i}"]
     return data
@@ -159,12 +174,16 @@ class SimRequest:
 
     def kept(self, mode: int, column: int | None) -> int:
         """Drafted tokens this round keeps: none on an AR step, the chain's run, or the tree's count."""
-        return 0 if mode == AR else int(self.row[-2] if mode == CHAIN else self.row[column])
+        return 0 if mode == AR else int(self.row[-1] if mode == CHAIN else self.row[column])
 
     def measured(self, columns: list[int]) -> tuple[list[int], int, bool]:
-        """What a tree round measured for the policy: by_size's result for the trace's `columns`."""
+        """What a round of the tree of the last of `columns` tells the policy (by_size's result for that
+        tree): the counts, and the run along its spine, cut where the spine ends before the largest
+        tree's does. (Where both end together, whether the played tree's spine has the next node is
+        not recorded; it is taken to, as the largest tree's does.)"""
         row = self.row
-        return [int(row[c]) for c in columns], int(row[-2]), bool(row[-1])
+        kept, run, end = int(row[columns[-1]]), int(row[-3]), bool(row[-2])
+        return [int(row[c]) for c in columns], min(kept, run), kept < run or (kept == run and end)
 
     def emit(self, kept: int) -> int:
         n = min(kept + 1, self.req.params.max_tokens - len(self.req.output_ids))

@@ -433,13 +433,13 @@ def test_policy_sim_traces_replay_every_fixed_method_exactly(tmp_path, temperatu
                                       prefix_cache=False))
 
     prompt, params = [3, 1, 4, 1, 5], SamplingParams(temperature=temperature, max_tokens=40, ignore_eos=True, seed=7)
-    trace = policy_sim.record_request(engine("ddtree", 16), prompt, params, sizes)
+    trace = policy_sim.record_request(engine("ddtree", 16), engine("dflash", 16), prompt, params, sizes)
     for method, budget in [("dflash", 0)] + [("ddtree", b) for b in sizes]:
         eng = engine(method, budget or 16)
         req = eng.add_request(prompt, params)
         while eng.has_unfinished:
             eng.step()
-        column = -2 if method == "dflash" else sizes.index(budget)
+        column = -1 if method == "dflash" else sizes.index(budget)
         replayed, n = [], 1  # the prefill's token, then one round per trace row reached
         while n < params.max_tokens:
             emitted = min(int(trace[n - 1][column]) + 1, params.max_tokens - n)
@@ -451,3 +451,49 @@ def test_policy_sim_traces_replay_every_fixed_method_exactly(tmp_path, temperatu
     for label in ("ar", "dflash", "ddtree-4", "auto"):
         tokens, seconds = policy_sim.simulate_cell([spec, spec], label, cost, 2, False, sizes, 8)
         assert tokens == 2 * 39 and seconds > 0
+
+
+def test_policy_sim_tells_the_policy_what_a_played_tree_round_would():
+    """A replayed tree round tells the policy what the engine's round of that tree does (by_size on its
+    own path codes): the counts, and the chain's run along that tree's spine, censored where the spine
+    ends before the chain would (a small tree's often does: the recording's largest tree has a deeper
+    spine). Where both end together the trace cannot tell whether the played tree's spine goes on, and
+    takes it to. The demo pair with its DFlash-1 drafter, whose small trees are bushy; rounds cut to
+    the root, as the recording's, so the drafter's context is computed alike."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import policy_sim
+    from flashtree import EngineConfig, LLMEngine, SamplingParams
+    from flashtree.engine.policy import by_size
+
+    demo = Path(__file__).resolve().parents[1] / "flashtree" / "assets" / "demo"
+
+    def engine(method: str, budget: int) -> LLMEngine:
+        return LLMEngine(EngineConfig(target=str(demo / "target"), drafter=str(demo / "drafter-dflash1"), device="cpu",
+                                      method=method, budget=budget, max_budget=16, max_batch=1, max_model_len=256,
+                                      prefix_cache=False, cost_cache="off"))
+
+    sizes = policy_sim.sizes_for(16)
+    big = engine("ddtree", 16)
+    prompt = big.encode('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n')
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    trace = policy_sim.record_request(big, engine("dflash", 16), prompt, params, sizes)
+    spec = {"temperature": 0.0, "prompt": len(prompt), "max_tokens": 48, "seed": 0, "trace": trace}
+    cut = 0
+    for i, budget in enumerate(sizes):
+        codes: list[list[int]] = []
+        with policy_sim.root_only_rounds(codes):
+            eng = engine("ddtree", budget)
+            eng.add_request(prompt, params)
+            while eng.has_unfinished:
+                eng.step()
+        for n, row in enumerate(codes):
+            sim = policy_sim.SimRequest(spec, 0)
+            sim.req.output_ids = [0] * (n + 1)
+            counts, run, censored = sim.measured(list(range(i + 1)))
+            real_counts, real_run, real_censored = by_size(row, sizes[: i + 1])
+            assert (counts, run) == (real_counts, real_run), (budget, n)
+            assert censored == real_censored or (real_censored and counts[-1] == trace[n][-3]), (budget, n)
+            cut += run < trace[n][-3]
+    assert cut > 0  # small trees' spines did end first
