@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flashtree import LLM, EngineConfig, LLMEngine, SamplingParams
-from flashtree.engine import cost_model
+from flashtree.engine import cost_cache, cost_model
 from flashtree.engine.cost_model import Grid
 from flashtree.engine.policy import BASE, PROBE, PROBE_TOKENS, SCOUT, SETTLE_ROWS, Policy, by_size
 from flashtree.engine.round_plan import AR, CHAIN, RoundPlan, fixed_plan
@@ -887,9 +887,9 @@ def test_cost_cache_is_written_reused_and_invalidated(pair, tmp_path):
 
 
 def test_startup_prices_whole_rounds_by_their_excess_over_the_stage_tables(pair, monkeypatch):
-    """A fresh engine times AR steps and the chain as whole rounds at every row point, and the
-    overhead cells hold what each took past the stage tables' price (negative where the tables run
-    high), so a drafting round's price is what it was timed at, not its stages' sum."""
+    """A fresh engine times AR steps, the chain and a 16-node tree as whole rounds at every row point,
+    and the overhead cells hold what each took past the stage tables' price (negative where the tables
+    run high), so a drafting round's price is what it was timed at, not its stages' sum."""
     from flashtree.engine.runner import ModelRunner
 
     def timed(self, fn, repeats=2):  # every point a fixed time: the round 9 ms, its reset 1 ms
@@ -900,7 +900,7 @@ def test_startup_prices_whole_rounds_by_their_excess_over_the_stage_tables(pair,
     run_round = ModelRunner.run_round
 
     def recorded(self, reqs, plan, real):
-        rounds.append((len(reqs), plan.drafting, plan.window, all(r.speculative for r in reqs) == bool(plan.drafting)))
+        rounds.append((len(reqs), plan.drafting > 0, plan.budget, all(r.speculative for r in reqs) == bool(plan.drafting)))
         return run_round(self, reqs, plan, real)
 
     monkeypatch.setattr(cost_model.Timer, "__call__", timed)
@@ -909,13 +909,16 @@ def test_startup_prices_whole_rounds_by_their_excess_over_the_stage_tables(pair,
     eng = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", max_model_len=64,
                                  max_budget=16, max_batch=4, cost_cache="off"))
     cost, depth = eng.runner.policy.cost, eng.runner.block_size - 1
-    assert {(n, d > 0, ok) for n, d, _, ok in rounds} == {(n, d, True) for n in (1, 2, 4) for d in (False, True)}
+    plans = {(n, d, b) for n in (1, 2, 4) for d, b in ((False, 0), (True, 0), (True, 16))}
+    assert {(n, d, b) for n, d, b, ok in rounds if ok} == plans and all(ok for *_, ok in rounds)
     for rows in (1, 2, 4):
         ar = float(cost.verify(rows, 1))
         chain = float(cost.verify(rows, depth + 1)) + float(cost.draft(rows, depth))
-        assert np.isclose(float(cost.overhead(rows, 0)), 0.008 - ar)
-        assert np.isclose(float(cost.overhead(rows, 1)), 0.008 - chain)
+        tree = float(cost.verify(rows, 17)) + float(cost.draft(rows, depth)) + float(cost.tree(rows, 16))
+        for column, staged in enumerate((ar, chain, tree)):
+            assert np.isclose(float(cost.overhead(rows, column)), 0.008 - staged)
         assert np.isclose(cost.round_seconds(rows, depth + 1, rows, depth, 0, 0), 0.008)
+        assert np.isclose(cost.round_seconds(rows, 17, rows, depth, rows, 16), 0.008)
     assert eng.runner.cache.lengths == [0] * 4 and eng.runner.draft_cache.lengths == [0] * 4
 
 
@@ -1031,12 +1034,12 @@ def test_tree_costs_follow_their_measured_points():
 def test_cost_cache_location(monkeypatch, tmp_path):
     """$FLASHTREE_CACHE_DIR wins, then $XDG_CACHE_HOME/flashtree, then ~/.cache/flashtree; "off" disables."""
     monkeypatch.setenv("FLASHTREE_CACHE_DIR", str(tmp_path / "a"))
-    assert cost_model.cache_dir(None) == tmp_path / "a"
+    assert cost_cache.cache_dir(None) == tmp_path / "a"
     monkeypatch.delenv("FLASHTREE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert cost_model.cache_dir(None) == tmp_path / "x" / "flashtree"
-    assert cost_model.cache_dir(str(tmp_path / "b")) == tmp_path / "b"
-    assert cost_model.cache_dir("off") is None
+    assert cost_cache.cache_dir(None) == tmp_path / "x" / "flashtree"
+    assert cost_cache.cache_dir(str(tmp_path / "b")) == tmp_path / "b"
+    assert cost_cache.cache_dir("off") is None
 
 
 def test_metrics_expose_the_policy():

@@ -1,22 +1,18 @@
-"""What a round costs on this machine: measured at startup, cached on disk, refined online.
+"""What a round costs on this machine: measured at startup (cached on disk: cost_cache), refined online.
 
 The policy prices every plan with four tables: verify(rows, window), the target forward and pick
 over one window for all rows; draft(rows, depth), a drafter pass with the LM head on `depth`
-positions; tree(rows, budget), the tree builds; overhead(rows, drafting), the rest of a round. They
-hold greedy rows CONTEXT keys deep (deeper keys and sampled rows are priced apart, `extra`). Startup
-times the points that matter most and derives the rest; timed rounds then nudge them. Captured
-rounds are priced by their replays instead (graphs.RoundGraphs.timed).
+positions; tree(rows, budget), the tree builds; overhead(rows, kind), the rest of a round of AR
+steps (0), the chain (1) or a tree (2), from whole rounds (ModelRunner.time_rounds). They hold greedy rows CONTEXT keys deep (deeper keys and
+sampled rows are priced apart, `extra`). Startup times the points that matter most and derives the
+rest; timed rounds then nudge them. Captured rounds are priced by their replays instead
+(graphs.RoundGraphs.timed).
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
-import os
-import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -27,7 +23,7 @@ from flashtree.sampler import SamplingBatch, pick
 from flashtree.sampling import SamplingParams
 from flashtree.tree import chain_spec
 
-FORMAT = 6  # bump when the tables change meaning or what they time changes speed: older files are then re-measured
+FORMAT = 7  # bump when the tables change meaning or what they time changes speed: older files are then re-measured
 WINDOWS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025)
 TREE_BUDGETS = (4, 16, 64, 256, 1024)
 DEFAULT_SECONDS = 1.8  # startup measurement time budget
@@ -93,6 +89,11 @@ class Grid:
         return cls(d["xs"], d["ys"], d["values"], tuple(d.get("monotone", (0, 1))), d.get("floor", 0.0))
 
 
+def kind(drafting, tree_rows) -> int:
+    """The overhead column of a round: AR steps 0, the chain 1, a tree 2 (drafting, tree_rows may be arrays)."""
+    return (2 if np.any(tree_rows) else 1) if np.any(drafting) else 0
+
+
 def row_points(max_rows: int) -> list[int]:
     """1, 2, 4, ... below max_rows, then max_rows (at least two points)."""
     return [1 << k for k in range((max_rows - 1).bit_length())] + [max_rows] if max_rows > 1 else [1, 2]
@@ -128,7 +129,7 @@ class CostModel:
         if self.replays:  # a captured round's time is its replay's, whoever drafts
             t = self.replays[self.bucket(rows), window, budget > 0] + noise + 0.0 * np.asarray(drafting)
             return np.maximum(t + verify + draft, 0.5 * t) * self.scale
-        t = float(self.verify(rows, window)) + float(self.overhead(rows, 1 if np.any(drafting) else 0)) + noise
+        t = float(self.verify(rows, window)) + float(self.overhead(rows, kind(drafting, tree_rows))) + noise
         if np.any(drafting):  # drafting and tree_rows may be arrays (one table row at once)
             t = t + self.draft(drafting, depth)
             if np.any(tree_rows):
@@ -176,7 +177,7 @@ class CostModel:
             if tree_rows:
                 self.tree.nudge(tree_rows, budget, stages["tree"], rate)
                 modeled += stages["tree"]
-        self.overhead.nudge(rows, 1 if drafting else 0, total - modeled, rate)
+        self.overhead.nudge(rows, kind(drafting, tree_rows), total - modeled, rate)
 
     def as_dict(self) -> dict:
         return {"format": FORMAT, "coverage": self.coverage, "verify": self.verify.as_dict(),
@@ -188,62 +189,6 @@ class CostModel:
         return cls(Grid.from_dict(d["verify"]), Grid.from_dict(d["draft"]), Grid.from_dict(d["tree"]),
                    Grid.from_dict(d["overhead"]), d["coverage"], source="cache", keys=tuple(d["keys"]),
                    sample=tuple(d["sample"]))
-
-
-# ---- where the cache lives -----------------------------------------------------------------
-
-def cache_dir(setting: str | None) -> Path | None:
-    """EngineConfig.cost_cache: a directory, "off" (no disk cache), or None: $FLASHTREE_CACHE_DIR,
-    else $XDG_CACHE_HOME/flashtree, else ~/.cache/flashtree."""
-    if setting == "off":
-        return None
-    if setting or os.environ.get("FLASHTREE_CACHE_DIR"):
-        return Path(setting or os.environ["FLASHTREE_CACHE_DIR"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flashtree"
-
-
-def _files(module) -> list[list]:
-    """(name, size, mtime_ns) of a checkpoint's config and weights: changes when it is replaced."""
-    if getattr(module, "source_dir", None) is None:
-        return []
-    src = Path(module.source_dir)
-    files = [f for f in sorted(src.glob("*.safetensors")) + [src / "config.json"] if f.is_file()]
-    return [[str(src.resolve())]] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-
-
-def cache_key(target, drafter, device: torch.device, dtype: torch.dtype, selector: bool = False) -> dict:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"format": FORMAT, "target": _files(target), "drafter": _files(drafter), "device": f"{device} {name}",
-            "dtype": str(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__, "selector": selector,
-            "compiled": getattr(target, "compiled", None) is not None, "packed": target.lm_head.packed}
-
-
-def cache_path(directory: Path, key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return directory / "costs" / f"{digest}.json"
-
-
-def load(path: Path | None, key: dict) -> CostModel | None:
-    if path is None:
-        return None
-    try:
-        data = json.loads(path.read_text())
-        return CostModel.from_dict(data) if data.get("key") == key and data.get("format") == FORMAT else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # none yet, or a damaged or foreign file: measured over
-
-
-def save(path: Path | None, key: dict, model: CostModel) -> None:
-    """Write atomically (several engines may start at once); an unwritable cache is not an error."""
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**model.as_dict(), "key": key}))
-        os.replace(tmp, path)
-    except OSError:
-        pass
 
 
 # ---- startup measurement -----------------------------------------------------------------
@@ -442,34 +387,6 @@ def _tables(v, body, head, tr, rows_max, windows, budgets, depth, max_window, ma
     tree = Grid(tree_rows, tb, tvals)
     # What whole rounds cost past the stages (ModelRunner.time_rounds sets it), negative where the stage
     # tables, derived between their timed points, run high.
-    overhead = Grid(rows, [0, 1], np.zeros((len(rows), 2)), monotone=(), floor=-np.inf)
+    overhead = Grid(rows, [0, 1, 2], np.zeros((len(rows), 3)), monotone=(), floor=-np.inf)
     return CostModel(verify, draft, tree, overhead, {"rows": rows_max, "window": max_window, "budget": max_budget},
                      seconds=seconds, keys=keys, sample=sample)
-
-
-def startup(target, drafter, passes: tuple[Callable, Callable], cache, draft_cache, max_rows: int, max_window: int,
-            max_budget: int, cache_setting: str | None, seconds: float = DEFAULT_SECONDS, selector: bool = False
-            ) -> tuple[CostModel, Path | None, dict]:
-    """The cached tables when they cover this engine, else a fresh measurement (saved)."""
-    key = cache_key(target, drafter, cache.device, target.embed_tokens.weight.dtype, selector)
-    directory = cache_dir(cache_setting)
-    path = cache_path(directory, key) if directory is not None else None
-    model = load(path, key)
-    if model is not None:
-        c = model.coverage
-        if c["rows"] >= max_rows and c["window"] >= max_window and c["budget"] >= max_budget:
-            return model, path, key
-        # Measure at least what the cache covered, so engines do not take turns.
-        max_rows = min(max(max_rows, c["rows"]), cache.k.shape[1])
-        max_window = min(max(max_window, c["window"]), cache.max_len - 2)
-        max_budget = max(max_budget, c["budget"])
-    where = f"; cached in {path.parent}" if path is not None else ""
-    loud = getattr(getattr(target, "tp", None), "rank", 0) == 0  # under tensor parallelism, rank 0 alone prints
-    if loud:
-        print(f"flashtree: measuring round costs for budget='auto' (once per model, device, dtype and "
-              f"threads{where})...", end="", file=sys.stderr, flush=True)
-    model = measure(target, drafter, passes, cache, draft_cache, max_rows, max_window, max_budget, seconds)
-    if loud:
-        print(f" {model.seconds:.1f} s", file=sys.stderr, flush=True)
-    save(path, key, model)
-    return model, path, key

@@ -24,7 +24,8 @@ from torch import Tensor
 
 from flashtree.config import EngineConfig
 from flashtree.cache import RecurrentState, SlidingDraftCache
-from flashtree.engine.cost_model import CONTEXT, DEFAULT_SECONDS, CostModel, Grid, Timer, save, startup
+from flashtree.engine.cost_cache import save, startup
+from flashtree.engine.cost_model import CONTEXT, DEFAULT_SECONDS, CostModel, Grid, Timer
 from flashtree.engine.draft_context import DeferredContext
 from flashtree.engine.graphs import RoundGraphs
 from flashtree.engine.logprobs import pack, unpack
@@ -205,8 +206,8 @@ class ModelRunner:
     def time_rounds(self, cost: CostModel) -> None:
         """Set the cost model's overhead cells, what a round costs past its tables' stages (the pick,
         walk, K/V compaction, drafter context, host read), from whole eager rounds at each of its row
-        points, CONTEXT keys deep: AR steps of plain rows, and the chain. Learned online from zero,
-        a workload's first drafting rounds ran 1.2-1.6x their price against AR steps."""
+        points, CONTEXT keys deep: AR steps of plain rows, the chain, and a tree of about 16 nodes.
+        Learned online from zero, a workload's first drafting rounds were priced at their stages."""
         keys = min(CONTEXT, self.cache.max_len - self.max_window - 2)
         timer = Timer(self.device, float("inf"))  # fixed repeats: tensor-parallel ranks run alike
         values = cost.overhead.values.copy()
@@ -214,17 +215,19 @@ class ModelRunner:
             if rows > self.config.max_batch:  # a grid has two row points even at max_batch = 1
                 values[i] = values[i - 1]
                 continue
-            for drafting in (0, 1):
+            tree = min(16, self.config.max_budget, budget_cap(self.config.max_round_tokens, rows))
+            for column, plan in enumerate((fixed_plan(rows, "ar", self.block_size, 0),
+                                           fixed_plan(rows, "dflash", self.block_size, 0),
+                                           fixed_plan(rows, "ddtree", self.block_size, tree))):
                 reqs = [padding_request(s) for s in range(rows)]
                 for r in reqs:
-                    r.speculative = bool(drafting)
-                plan = fixed_plan(rows, "dflash" if drafting else "ar", self.block_size, 0)
+                    r.speculative = column > 0
 
                 def reset() -> None:  # every row CONTEXT keys deep, nothing held back
                     for s in range(rows):
-                        self.seat(s, None, 0, speculative=bool(drafting))
+                        self.seat(s, None, 0, speculative=column > 0)
                         self.cache.set_length(s, keys)
-                        if drafting:
+                        if column:
                             self.draft_cache.set_length(s, keys)
 
                 def round_() -> None:
@@ -233,8 +236,10 @@ class ModelRunner:
 
                 round_()  # a shape's first rounds run slower (allocation, kernel selection): two untimed
                 seconds = timer(round_, repeats=3) - timer(reset)
-                staged = float(cost.verify(rows, plan.window)) + drafting * float(cost.draft(rows, plan.depth))
-                values[i, drafting] = seconds - staged
+                staged = float(cost.verify(rows, plan.window))
+                if plan.drafting:
+                    staged += float(cost.draft(rows, plan.depth)) + (float(cost.tree(rows, tree)) if column == 2 else 0.0)
+                values[i, column] = seconds - staged
         for s in range(self.config.max_batch):
             self.seat(s, None, 0)
         cost.overhead = Grid(cost.overhead.xs, cost.overhead.ys, values, cost.overhead.monotone, cost.overhead.floor)
