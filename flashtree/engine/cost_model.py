@@ -3,10 +3,10 @@
 The policy prices every plan with four tables: verify(rows, window), the target forward and pick
 over one window for all rows; draft(rows, depth), a drafter pass with the LM head on `depth`
 positions; tree(rows, budget), the tree builds; overhead(rows, kind), the rest of a round of AR
-steps (0), the chain (1) or a tree (2), from whole rounds (ModelRunner.time_rounds). They hold greedy rows CONTEXT keys deep (deeper keys and
-sampled rows are priced apart, `extra`). Startup times the points that matter most and derives the
-rest; timed rounds then nudge them. Captured rounds are priced by their replays instead
-(graphs.RoundGraphs.timed).
+steps (0), the chain (1) or a tree (2), from whole rounds (ModelRunner.time_rounds). They hold
+greedy rows CONTEXT keys deep (deeper keys and sampled rows are priced apart, `extra`). Startup
+times the points that matter most and derives the rest; timed rounds then nudge them. Captured
+rounds are priced by their replays instead (graphs.RoundGraphs.timed).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from flashtree.sampler import SamplingBatch, pick
 from flashtree.sampling import SamplingParams
 from flashtree.tree import chain_spec
 
-FORMAT = 7  # bump when the tables change meaning or what they time changes speed: older files are then re-measured
+FORMAT = 8  # bump when the tables change meaning or what they time changes speed: older files are then re-measured
 WINDOWS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025)
 TREE_BUDGETS = (4, 16, 64, 256, 1024)
 DEFAULT_SECONDS = 1.8  # startup measurement time budget
@@ -40,15 +40,13 @@ def _bracket(points: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 class Grid:
     """Seconds over a 2-D grid of bucket points (each axis at least 2 points), bilinear, extrapolated
     along the last slope. Along the `monotone` axes each point is lifted to the smaller ones after
-    every change, so no plan can look cheaper by growing. Values stay at or above `floor` (a correction
-    to other tables may be negative)."""
+    every change, so no plan can look cheaper by growing."""
 
-    def __init__(self, xs, ys, values, monotone: tuple[int, ...] = (0, 1), floor: float = 0.0) -> None:
+    def __init__(self, xs, ys, values, monotone: tuple[int, ...] = (0, 1)) -> None:
         self.xs = np.asarray(xs, dtype=float)
         self.ys = np.asarray(ys, dtype=float)
         self.values = np.asarray(values, dtype=float).reshape(len(self.xs), len(self.ys))
         self.monotone = tuple(monotone)
-        self.floor = float(floor)
         self._project()
 
     def _project(self) -> None:
@@ -62,7 +60,7 @@ class Grid:
         v = self.values
         out = ((1 - wx) * (1 - wy) * v[i, j] + wx * (1 - wy) * v[i + 1, j]
                + (1 - wx) * wy * v[i, j + 1] + wx * wy * v[i + 1, j + 1])
-        return np.maximum(out, self.floor)
+        return np.maximum(out, 0.0)
 
     def nudge(self, x: float, y: float, observed: float, rate: float) -> None:
         """Move the corners around (x, y) so the prediction there moves `rate` of the way to `observed`
@@ -73,20 +71,19 @@ class Grid:
         corners = ((i, j, (1 - wx) * (1 - wy)), (i + 1, j, wx * (1 - wy)), (i, j + 1, (1 - wx) * wy),
                    (i + 1, j + 1, wx * wy))
         predicted = sum(float(v[a, b]) * w for a, b, w in corners)
-        size = abs(predicted)
-        err = min(max(observed - predicted, -0.5 * size), size) if size > 0 else observed
+        err = min(max(observed - predicted, -0.5 * predicted), predicted) if predicted > 0 else observed
         norm = sum(w * w for _, _, w in corners)
         for a, b, w in corners:
-            v[a, b] = max(self.floor, float(v[a, b]) + rate * err * w / norm)
+            v[a, b] = max(0.0, float(v[a, b]) + rate * err * w / norm)
         self._project()
 
     def as_dict(self) -> dict:
         return {"xs": self.xs.tolist(), "ys": self.ys.tolist(), "values": self.values.tolist(),
-                "monotone": list(self.monotone), "floor": self.floor}
+                "monotone": list(self.monotone)}
 
     @classmethod
     def from_dict(cls, d: dict) -> Grid:
-        return cls(d["xs"], d["ys"], d["values"], tuple(d.get("monotone", (0, 1))), d.get("floor", 0.0))
+        return cls(d["xs"], d["ys"], d["values"], tuple(d.get("monotone", (0, 1))))
 
 
 def kind(drafting, tree_rows) -> int:
@@ -177,7 +174,7 @@ class CostModel:
             if tree_rows:
                 self.tree.nudge(tree_rows, budget, stages["tree"], rate)
                 modeled += stages["tree"]
-        self.overhead.nudge(rows, kind(drafting, tree_rows), total - modeled, rate)
+        self.overhead.nudge(rows, kind(drafting, tree_rows), max(0.0, total - modeled), rate)
 
     def as_dict(self) -> dict:
         return {"format": FORMAT, "coverage": self.coverage, "verify": self.verify.as_dict(),
@@ -385,8 +382,8 @@ def _tables(v, body, head, tr, rows_max, windows, budgets, depth, max_window, ma
         pts = {b: s for (rr, b), s in tr.items() if rr == r} or {b: s * r for (rr, b), s in tr.items() if rr == 1}
         tvals.append([_interp(_floor(pts), b) for b in tb])
     tree = Grid(tree_rows, tb, tvals)
-    # What whole rounds cost past the stages (ModelRunner.time_rounds sets it), negative where the stage
-    # tables, derived between their timed points, run high.
-    overhead = Grid(rows, [0, 1, 2], np.zeros((len(rows), 3)), monotone=(), floor=-np.inf)
+    # What whole rounds cost past their stages (ModelRunner.time_rounds sets it): not a correction below
+    # zero, which a round with fewer rows drafting than were timed would take whole.
+    overhead = Grid(rows, [0, 1, 2], np.zeros((len(rows), 3)), monotone=())
     return CostModel(verify, draft, tree, overhead, {"rows": rows_max, "window": max_window, "budget": max_budget},
                      seconds=seconds, keys=keys, sample=sample)

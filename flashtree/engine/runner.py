@@ -239,10 +239,10 @@ class ModelRunner:
                 staged = float(cost.verify(rows, plan.window))
                 if plan.drafting:
                     staged += float(cost.draft(rows, plan.depth)) + (float(cost.tree(rows, tree)) if column == 2 else 0.0)
-                values[i, column] = seconds - staged
+                values[i, column] = max(0.0, seconds - staged)
         for s in range(self.config.max_batch):
             self.seat(s, None, 0)
-        cost.overhead = Grid(cost.overhead.xs, cost.overhead.ys, values, cost.overhead.monotone, cost.overhead.floor)
+        cost.overhead = Grid(cost.overhead.xs, cost.overhead.ys, values, cost.overhead.monotone)
         self._last_end = None
 
     @property
