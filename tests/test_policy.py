@@ -900,7 +900,8 @@ def test_startup_prices_whole_rounds_by_their_excess_over_the_stage_tables(pair,
     run_round = ModelRunner.run_round
 
     def recorded(self, reqs, plan, real):
-        rounds.append((len(reqs), plan.drafting > 0, plan.budget, all(r.speculative for r in reqs) == bool(plan.drafting)))
+        speculative = all(r.speculative for r in reqs) == bool(plan.drafting)
+        rounds.append((len(reqs), plan.drafting > 0, plan.budget, speculative))
         return run_round(self, reqs, plan, real)
 
     monkeypatch.setattr(cost_model.Timer, "__call__", timed)

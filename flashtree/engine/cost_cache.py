@@ -16,6 +16,7 @@ import torch
 
 from flashtree.engine.cost_model import DEFAULT_SECONDS, FORMAT, CostModel, measure
 
+
 def cache_dir(setting: str | None) -> Path | None:
     """EngineConfig.cost_cache: a directory, "off" (no disk cache), or None: $FLASHTREE_CACHE_DIR,
     else $XDG_CACHE_HOME/flashtree, else ~/.cache/flashtree."""

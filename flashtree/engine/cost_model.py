@@ -124,7 +124,7 @@ class CostModel:
         """A plan's seconds (an array over drafting rows where `drafting` is one)."""
         verify, draft, noise = self.extra(rows, window, drafting, keys, sampled, min(window, depth + 1))
         if self.replays:  # a captured round's time is its replay's, whoever drafts
-            t = self.replays[self.bucket(rows), window, budget > 0] + noise + 0.0 * np.asarray(drafting)
+            t = self.replays[self.bucket(rows), window, budget > 0] + noise + np.zeros(np.shape(drafting))
             return np.maximum(t + verify + draft, 0.5 * t) * self.scale
         t = float(self.verify(rows, window)) + float(self.overhead(rows, kind(drafting, tree_rows))) + noise
         if np.any(drafting):  # drafting and tree_rows may be arrays (one table row at once)

@@ -109,7 +109,7 @@ class ClassStats:
     def scale(self) -> float:  # kept / predicted, bounded so a class on AR steps drafts again where raw estimates soar
         return min(max(self.calibration[1] / max(self.calibration[0], 1e-9), SCALE_MIN), 1 / SCALE_MIN)
 
-    def _survive(self) -> None:  # the chain's survival by depth, kept: every plan reads it, few rounds move it
+    def _survive(self) -> None:  # the chain's survival by depth, kept: every plan reads it, drafting rows move it
         self.survival = np.cumprod(1 - self.stopped / self.reached)
         self.expected_run = self.survival.sum()
 

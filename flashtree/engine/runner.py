@@ -207,7 +207,8 @@ class ModelRunner:
         """Set the cost model's overhead cells, what a round costs past its tables' stages (the pick,
         walk, K/V compaction, drafter context, host read), from whole eager rounds at each of its row
         points, CONTEXT keys deep: AR steps of plain rows, the chain, and a tree of about 16 nodes.
-        Learned online from zero, a workload's first drafting rounds were priced at their stages."""
+        Learned online alone, from zero, a workload's first drafting rounds would be priced at their
+        stages, and on a GPU (stages not synced) every round."""
         keys = min(CONTEXT, self.cache.max_len - self.max_window - 2)
         timer = Timer(self.device, float("inf"))  # fixed repeats: tensor-parallel ranks run alike
         values = cost.overhead.values.copy()
@@ -238,7 +239,9 @@ class ModelRunner:
                 seconds = timer(round_, repeats=3) - timer(reset)
                 staged = float(cost.verify(rows, plan.window))
                 if plan.drafting:
-                    staged += float(cost.draft(rows, plan.depth)) + (float(cost.tree(rows, tree)) if column == 2 else 0.0)
+                    staged += float(cost.draft(rows, plan.depth))
+                if plan.tree_rows:
+                    staged += float(cost.tree(rows, tree))
                 values[i, column] = max(0.0, seconds - staged)
         for s in range(self.config.max_batch):
             self.seat(s, None, 0)
