@@ -888,8 +888,9 @@ def test_cost_cache_is_written_reused_and_invalidated(pair, tmp_path):
 
 def test_startup_prices_whole_rounds_by_their_excess_over_the_stage_tables(pair, monkeypatch):
     """A fresh engine times AR steps, the chain and a 16-node tree as whole rounds at every row point,
-    and the overhead cells hold what each took past the stage tables' price (negative where the tables
-    run high), so a drafting round's price is what it was timed at, not its stages' sum."""
+    and the overhead cells hold what each took past the stage tables' price, so a drafting round's
+    price is what it was timed at, not its stages' sum; never below zero (a round with fewer rows
+    drafting than were timed would take a negative correction whole)."""
     from flashtree.engine.runner import ModelRunner
 
     def timed(self, fn, repeats=2):  # every point a fixed time: the round 9 ms, its reset 1 ms
@@ -921,6 +922,15 @@ def test_startup_prices_whole_rounds_by_their_excess_over_the_stage_tables(pair,
         assert np.isclose(cost.round_seconds(rows, depth + 1, rows, depth, 0, 0), 0.008)
         assert np.isclose(cost.round_seconds(rows, 17, rows, depth, rows, 16), 0.008)
     assert eng.runner.cache.lengths == [0] * 4 and eng.runner.draft_cache.lengths == [0] * 4
+
+    def fast(self, fn, repeats=2):  # rounds quicker than their stage tables
+        fn()
+        return {"round_": 0.0015, "reset": 0.001}.get(fn.__name__, 0.002)
+
+    monkeypatch.setattr(cost_model.Timer, "__call__", fast)
+    quick = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", max_model_len=64,
+                                   max_budget=16, max_batch=4, cost_cache="off"))
+    assert np.all(quick.runner.policy.cost.overhead.values == 0.0)
 
 
 def test_startup_times_only_the_work_it_names(pair, monkeypatch):
