@@ -772,7 +772,8 @@ def selector_on(drafter: DFlashDrafter | None, wanted: bool | None) -> bool:
 
 
 def padding_request(slot: int) -> Request:
-    """A greedy row on the dummy slot that fills a batch bucket; nothing it computes is kept."""
+    """A greedy row at `slot` whose round keeps nothing: the dummy slot's rows that fill a batch bucket,
+    and the rows start-up times whole rounds with (time_rounds)."""
     req = Request([0], SamplingParams(), request_id="padding")
     req.slot, req.bonus = slot, 0
     return req
