@@ -16,7 +16,8 @@ import torch
 from flashtree import LLM, EngineConfig, LLMEngine, SamplingParams
 from flashtree.engine import cost_cache, cost_model
 from flashtree.engine.cost_model import Grid
-from flashtree.engine.policy import BASE, PROBE, PROBE_TOKENS, SCOUT, SETTLE_ROWS, Policy, by_size
+from flashtree.engine.policy import (BASE, PROBE, PROBE_TOKENS, SCOUT, SETTLE_ROUNDS, SETTLE_ROWS, Policy, by_size,
+                                     sampling_class)
 from flashtree.engine.round_plan import AR, CHAIN, RoundPlan, fixed_plan
 from flashtree.engine.runner import path_codes
 from flashtree.engine.sequence import Request
@@ -545,6 +546,22 @@ def test_a_settled_class_seats_plain_requests_but_scouts():
     fresh = Policy(synthetic_cost(1e-5, draft=5e-4), 16, 16, 64, 4096)
     assert all(fresh.admit(SamplingParams(), 4) for _ in range(SCOUT))  # nothing measured: all may draft
 
+
+
+def test_a_class_its_plans_keep_on_ar_steps_settles_after_its_rounds():
+    """Where drafting keeps nothing, the planner soon takes AR steps, which measure nothing: the class
+    never reaches SETTLE_ROWS measured rows, so after SETTLE_ROUNDS rounds it seats new requests plain
+    (but scouts) instead of paying the drafter's upkeep for every request while its plans never draft."""
+    policy = Policy(synthetic_cost(1e-5, draft=3e-2), 16, 16, 64, 4096)  # a chain round costs ~4 AR steps
+    sampled = SamplingParams(temperature=0.7)
+    reqs = _requests(1, temperature=0.7)
+    plans = _run(policy, reqs, accept=0.0, rounds=SETTLE_ROUNDS - 1)
+    st = policy.classes[sampling_class(sampled)]
+    assert plans[0].drafting and st.round == SETTLE_ROUNDS - 1  # it started from the chain ...
+    assert st.level_rows + policy._stats(-1 - sampling_class(sampled)).level_rows < SETTLE_ROWS  # ... soon left
+    assert all(policy.admit(sampled, 1) for _ in range(2 * SCOUT))  # too soon: every request may draft
+    _run(policy, reqs, accept=0.0, rounds=1)
+    assert sum(policy.admit(sampled, 1) for _ in range(4 * SCOUT)) == 4
 
 # ---- the policy in the engine -------------------------------------------------------------
 

@@ -31,7 +31,7 @@ OWN_ROUNDS, OWN_RUNS = 2, 4  # after n rounds a request's own level, and its own
 KNOWN = 8  # rows measured before an arm's estimate is trusted without exploring it
 STALE = 300  # rounds of its class after which an arm not measured since is explored again, once
 PRIOR_ROWS = 8  # the weight, in rows, of the level's and the chain's priors
-SETTLE_ROWS = 32  # rows measured before a class whose drafts do not pay seats requests plain
+SETTLE_ROWS, SETTLE_ROUNDS = 32, 128  # rows measured, or rounds, before a class whose drafts do not pay seats plain
 EXPLORE, PROBE = 0.05, 0.02  # exploration credit: of the time drafting saved, and of all round time
 FACTOR_RATE = 0.1  # EMA weight of a timed round in its arm's cost factor
 HOLD_MAX = 32  # rounds AR steps may be decided ahead while the batch stays the same
@@ -381,14 +381,15 @@ class Policy:
                 st.round += 1
 
     def admit(self, params: SamplingParams, rows: int) -> bool:
-        """May a request being seated ever draft? Not once its class is measured and no arm would pay
-        in the batch it joins, with any number of its rows drafting, even at the best own level of its
+        """May a request being seated ever draft? Not once its class is measured (SETTLE_ROWS rows, or
+        SETTLE_ROUNDS rounds: a class its plans keep on AR steps measures few) and no arm would pay in
+        the batch it joins, with any number of its rows drafting, even at the best own level of its
         last RECENT requests (then it costs what an `ar` request does), but for one scout in SCOUT,
         whose rounds keep the class measured."""
         cls = sampling_class(params)
         st = self._stats(cls)
-        if st.level_rows + self._stats(-1 - cls).level_rows < SETTLE_ROWS:  # openings included
-            return True
+        if st.level_rows + self._stats(-1 - cls).level_rows < SETTLE_ROWS and st.round < SETTLE_ROUNDS:
+            return True  # (openings' rows count)
         rows = max(1, min(rows, len(self.owner)))
         ar_seconds, table = self.seconds(rows, sampled=rows if cls else 0)
         gains = self.expected([cls], [max([st.level, *st.recent])])[0][0]
