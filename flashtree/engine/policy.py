@@ -146,7 +146,7 @@ class Policy:
         self.factor = np.ones(len(self.grid) + 2)  # timed / modelled seconds per arm; the last is AR's
         self.rounds = 0
         self.hold: tuple[list[str], int] = ([], 0)  # AR steps decided ahead: for this batch, this many rounds
-        self._tables: dict[int, tuple[int, np.ndarray]] = {}
+        self._tables: dict[int, tuple[int, np.ndarray, bool]] = {}  # per rows: refinements // 16, table, arms priced
         self._plans: dict[tuple[int, int], RoundPlan] = {}
         self._per_key: dict[tuple[int, int], tuple] = {}  # seconds() per (rows, sampled): cost.per_key's
 
@@ -172,24 +172,28 @@ class Policy:
 
     def ar_seconds(self, rows: int, keys: int = CONTEXT, sampled: int = 0) -> float:
         """seconds()'s first answer alone, at a tenth of its price: held rounds are most rounds."""
-        c, base = self.cost, self._table(rows)[-1, 0]
+        c, base = self.cost, self._table(rows, arms=False)[-1, 0]
         verify, draft, noise = c.extra(rows, 1.0, 0, keys, sampled, 1.0)
         return max(base + (verify + noise + draft) * c.scale, 0.5 * base) * self.factor[-1]
 
-    def _table(self, rows: int) -> np.ndarray:
+    def _table(self, rows: int, arms: bool = True) -> np.ndarray:
         """[arms + 1, rows + 1] from the cost model's tables (greedy, CONTEXT keys deep), AR's last at
-        k = 0; rebuilt every 16 refinements, one array call per arm."""
+        k = 0; rebuilt every 16 refinements, one array call per arm, the arms' rows only once asked
+        for (AR's cell alone costs a fortieth: a batch of plain requests asks for nothing else)."""
         c, key = self.cost, self.cost.refined // 16
         if self._tables.get(rows, (None,))[0] != key:
             table = np.full((self.chain_arm + 2, rows + 1), np.inf)
             table[-1, 0] = c.round_seconds(rows, 1, 0, 0, 0, 0)
+            self._tables[rows] = (key, table, False)
+        key, table, priced = self._tables[rows]
+        if arms and not priced:
             k = np.arange(1, rows + 1)
             for arm in range(self.chain_arm + 1):
                 p = self.arm_plan(arm, rows)
                 if p.window <= self.max_round_tokens // rows:
                     table[arm, 1:] = c.round_seconds(rows, p.window, k, p.depth, k if p.tree_rows else 0, p.budget)
-            self._tables[rows] = (key, table)
-        return self._tables[rows][1]
+            self._tables[rows] = (key, table, True)
+        return table
 
     def _stats(self, cls: int) -> ClassStats:
         if cls not in self.classes:
