@@ -403,7 +403,7 @@ def test_a_requests_opening_has_statistics_of_its_own():
     for _ in range(20):
         policy.plan(opening)  # seats them
         _feed(policy, policy.arm_plan(policy.chain_arm, 2), opening, accept=0.0)
-    _run(policy, _requests(2, first=2), accept=0.9, rounds=100)
+    _run(policy, _requests(2, first=2), accept=0.9, rounds=200)  # a probe measures the class (paid from credit)
     assert policy.classes[-1].level < 1.5 < policy.classes[0].level  # both started at the prior, 1.5
     for st in policy.classes.values():
         st.credit = 0.0  # no exploration
