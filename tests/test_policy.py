@@ -903,6 +903,23 @@ def test_cost_cache_is_written_reused_and_invalidated(pair, tmp_path):
     assert first.cache.lengths == [0] * 8 and first.draft_cache.lengths == [0] * 8
 
 
+
+def test_tables_timed_on_a_busy_cpu_are_used_but_not_cached(pair, tmp_path, monkeypatch):
+    """Tables timed while the process had its core for less than QUIET of the wall time priced another
+    job's load: the engine uses them, but writes no cache, so the next start measures again."""
+    target, drafter = pair
+    cfg = dict(target=str(target), drafter=str(drafter), device="cpu", max_model_len=64, max_budget=16,
+               cost_cache=str(tmp_path / "cache"))
+    monkeypatch.setattr(cost_cache.time, "process_time", lambda: 0.0)  # no CPU time while the wall clock ran
+    before = cost_model.measurements
+    busy = LLMEngine(EngineConfig(**cfg)).runner
+    assert busy.policy.cost.source == "measured" and busy.cost_path is None
+    assert not (tmp_path / "cache").exists()
+    monkeypatch.undo()
+    quiet = LLMEngine(EngineConfig(**cfg)).runner
+    assert quiet.policy.cost.source == "measured" and quiet.cost_path.is_file()
+    assert cost_model.measurements == before + 2
+
 def test_startup_prices_whole_rounds_by_their_excess_over_the_stage_tables(pair, monkeypatch):
     """A fresh engine times AR steps, the chain and a 16-node tree as whole rounds at every row point,
     and the overhead cells hold what each took past the stage tables' price, so a drafting round's

@@ -9,12 +9,18 @@ import hashlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from flashtree.engine.cost_model import DEFAULT_SECONDS, FORMAT, CostModel, measure
+
+# On the CPU, tables timed while this process had its core less than this share of the wall time were
+# timed against another job's load: used for this run, never cached (a busy first start once priced a
+# chain round at batch 1 at 18 ms against its 7, for every later start).
+QUIET = 0.8
 
 
 def cache_dir(setting: str | None) -> Path | None:
@@ -74,7 +80,8 @@ def save(path: Path | None, key: dict, model: CostModel) -> None:
 def startup(target, drafter, passes: tuple[Callable, Callable], cache, draft_cache, max_rows: int, max_window: int,
             max_budget: int, cache_setting: str | None, seconds: float = DEFAULT_SECONDS, selector: bool = False
             ) -> tuple[CostModel, Path | None, dict]:
-    """The cached tables when they cover this engine, else a fresh measurement (saved)."""
+    """The cached tables when they cover this engine, else a fresh measurement: saved, unless the CPU was
+    busy with other work while it ran (then the path is None, and nothing this run learns is saved)."""
     key = cache_key(target, drafter, cache.device, target.embed_tokens.weight.dtype, selector)
     directory = cache_dir(cache_setting)
     path = cache_path(directory, key) if directory is not None else None
@@ -92,8 +99,13 @@ def startup(target, drafter, passes: tuple[Callable, Callable], cache, draft_cac
     if loud:
         print(f"flashtree: measuring round costs for budget='auto' (once per model, device, dtype and "
               f"threads{where})...", end="", file=sys.stderr, flush=True)
+    wall, cpu = time.perf_counter(), time.process_time()
     model = measure(target, drafter, passes, cache, draft_cache, max_rows, max_window, max_budget, seconds)
+    busy = cache.device.type == "cpu" and time.process_time() - cpu < QUIET * (time.perf_counter() - wall)
     if loud:
-        print(f" {model.seconds:.1f} s", file=sys.stderr, flush=True)
+        note = "; the CPU was busy with other work, so not cached (measured again next start)" if busy else ""
+        print(f" {model.seconds:.1f} s{note}", file=sys.stderr, flush=True)
+    if busy:
+        return model, None, key
     save(path, key, model)
     return model, path, key
