@@ -7,7 +7,7 @@ and the chain's run along its spine. Acceptance comes in streaks, so the chain's
 + P), a shape per sampling class, paired with the request's own recent base (its run over the first
 BASE spine nodes); a tree's is what it kept at that level beside the chain on the same rows. Exploring
 thin trees, and probing requests on AR steps as their output doubles, is paid from a credit of
-EXPLORE of the time drafting saved plus PROBE of all time. docs/performance.md says why.
+EXPLORE of the time drafting saved plus PROBE of timed rounds' time. docs/performance.md says why.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ KNOWN = 8  # rows measured before an arm's estimate is trusted without exploring
 STALE = 300  # rounds of its class after which an arm not measured since is explored again, once
 PRIOR_ROWS = 8  # the weight, in rows, of the level's and the chain's priors
 SETTLE_ROWS, SETTLE_ROUNDS = 32, 128  # rows measured, or rounds, before a class whose drafts do not pay seats plain
-EXPLORE, PROBE = 0.05, 0.01  # exploration credit: of the time drafting saved, and of all round time
+EXPLORE, PROBE = 0.05, 0.01  # exploration credit: of the time drafting saved, and of timed rounds' time
 FACTOR_RATE = 0.1  # EMA weight of a timed round in its arm's cost factor
 HOLD_MAX = 32  # rounds AR steps may be decided ahead while the batch stays the same
 PROBE_TOKENS = 8  # a request's tokens before a probe (its first rounds keep little at T = 0)
