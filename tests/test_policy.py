@@ -547,7 +547,6 @@ def test_a_settled_class_seats_plain_requests_but_scouts():
     assert all(fresh.admit(SamplingParams(), 4) for _ in range(SCOUT))  # nothing measured: all may draft
 
 
-
 def test_a_class_its_plans_keep_on_ar_steps_settles_after_its_rounds():
     """Where drafting keeps nothing, the planner soon takes AR steps, which measure nothing: the class
     never reaches SETTLE_ROWS measured rows, so after SETTLE_ROUNDS rounds it seats new requests plain
@@ -562,6 +561,7 @@ def test_a_class_its_plans_keep_on_ar_steps_settles_after_its_rounds():
     assert all(policy.admit(sampled, 1) for _ in range(2 * SCOUT))  # too soon: every request may draft
     _run(policy, reqs, accept=0.0, rounds=1)
     assert sum(policy.admit(sampled, 1) for _ in range(4 * SCOUT)) == 4
+
 
 # ---- the policy in the engine -------------------------------------------------------------
 
@@ -901,7 +901,6 @@ def test_cost_cache_is_written_reused_and_invalidated(pair, tmp_path):
     assert np.array_equal(again.policy.cost.overhead.values, first.policy.cost.overhead.values)
     assert again.cache.lengths == [0] * 8
     assert first.cache.lengths == [0] * 8 and first.draft_cache.lengths == [0] * 8
-
 
 
 def test_tables_timed_on_a_busy_cpu_are_used_but_not_cached(pair, tmp_path, monkeypatch):
