@@ -126,12 +126,19 @@ class CostModel:
         if self.replays:  # a captured round's time is its replay's, whoever drafts
             t = self.replays[self.bucket(rows), window, budget > 0] + noise + np.zeros(np.shape(drafting))
             return np.maximum(t + verify + draft, 0.5 * t) * self.scale
-        t = float(self.verify(rows, window)) + float(self.overhead(rows, kind(drafting, tree_rows))) + noise
-        if np.any(drafting):  # drafting and tree_rows may be arrays (one table row at once)
+        t = self.staged(rows, window, drafting, depth, tree_rows, budget)
+        t = t + float(self.overhead(rows, kind(drafting, tree_rows))) + noise
+        return np.maximum(t + verify + draft, 0.5 * t) * self.scale
+
+    def staged(self, rows: int, window: int, drafting, depth: int, tree_rows, budget: int):
+        """The stage tables' part of a plan's seconds: verify, drafter pass, tree build (drafting and
+        tree_rows may be arrays, one table row at once); what whole rounds take past it is `overhead`."""
+        t = float(self.verify(rows, window))
+        if np.any(drafting):
             t = t + self.draft(drafting, depth)
             if np.any(tree_rows):
                 t = t + self.tree(tree_rows, budget)
-        return np.maximum(t + verify + draft, 0.5 * t) * self.scale
+        return t
 
     def extra(self, rows, window, drafting, keys: int = CONTEXT, sampled: int = 0, positions=1) -> tuple:
         """What the tables (greedy, CONTEXT keys deep) leave out: (verify, drafter pass) seconds of `keys`

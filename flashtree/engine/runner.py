@@ -237,12 +237,8 @@ class ModelRunner:
 
                 round_()  # a shape's first rounds run slower (allocation, kernel selection): two untimed
                 seconds = timer(round_, repeats=3) - timer(reset)
-                staged = float(cost.verify(rows, plan.window))
-                if plan.drafting:
-                    staged += float(cost.draft(rows, plan.depth))
-                if plan.tree_rows:
-                    staged += float(cost.tree(rows, tree))
-                values[i, column] = max(0.0, seconds - staged)
+                staged = cost.staged(rows, plan.window, plan.drafting, plan.depth, plan.tree_rows, plan.budget)
+                values[i, column] = max(0.0, seconds - float(staged))
         for s in range(self.config.max_batch):
             self.seat(s, None, 0)
         cost.overhead = Grid(cost.overhead.xs, cost.overhead.ys, values, cost.overhead.monotone)
@@ -433,7 +429,7 @@ class ModelRunner:
         emitted, logprobs, (counts, held, paths) = self.run_round(reqs, plan, real)
         self.last_plan = plan
         if self.policy is not None:
-            self.time_round(plan, [r.slot for r in reqs], counts, t0, held, paths)
+            self.time_round(plan, reqs, counts, t0, held, paths)
         return emitted, dict(self.clock.seconds), logprobs
 
     def run_round(self, reqs: list[Request], plan: RoundPlan, real: int
@@ -475,15 +471,15 @@ class ModelRunner:
                 self.mtp.accept(batch, spec, walk.path, out.features, counts)
         return emitted, logprobs, (counts, held, paths)
 
-    def time_round(self, plan: RoundPlan, slots: list[int], counts: list[int], t0: float, held: tuple[float, int],
-                   paths: list[list[int]] | None) -> None:
+    def time_round(self, plan: RoundPlan, reqs: list[Request], counts: list[int], t0: float,
+                   held: tuple[float, int], paths: list[list[int]] | None) -> None:
         """A round's cost includes the engine's work between rounds (emitting, scheduling):
         throughput is tokens over wall time. A long gap is an idle engine, not work. Plain AR
         rounds teach only their time, and a sample of them keeps it current."""
         end = time.perf_counter()
         if timed(plan, self.policy.rounds):
             gap = t0 - self._last_end if self._last_end is not None else 0.0
-            self.learn(plan, slots, counts, end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0), held, paths)
+            self.learn(plan, [r.slot for r in reqs], counts, end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0), held, paths)
         self._last_end = time.perf_counter()
 
     # ---- captured rounds (capture=True; compile=True on CUDA) --------------------------------
@@ -576,7 +572,7 @@ class ModelRunner:
             self.last_plan = self.fixed_round_plan(len(reqs), real)
             return emitted, dict(self.clock.seconds), logprobs
         self.last_plan = plan
-        self.time_round(plan, slots[:real], counts, t0, (0.0, 0), paths)
+        self.time_round(plan, reqs[:real], counts, t0, (0.0, 0), paths)
         return emitted, dict(self.clock.seconds), logprobs
 
     # ---- the plan: who drafts, and how ----------------------------------------------------
