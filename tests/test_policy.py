@@ -16,7 +16,7 @@ import torch
 from flashtree import LLM, EngineConfig, LLMEngine, SamplingParams
 from flashtree.engine import cost_cache, cost_model
 from flashtree.engine.cost_model import Grid
-from flashtree.engine.policy import (BASE, PROBE, PROBE_TOKENS, SCOUT, SETTLE_ROUNDS, SETTLE_ROWS, Policy, by_size,
+from flashtree.engine.policy import (BASE, FORGET, PROBE, PROBE_TOKENS, SCOUT, SETTLE_ROUNDS, SETTLE_ROWS, Policy, by_size,
                                      sampling_class)
 from flashtree.engine.round_plan import AR, CHAIN, RoundPlan, fixed_plan
 from flashtree.engine.runner import path_codes
@@ -290,6 +290,33 @@ def test_a_request_is_predicted_from_its_own_chain_runs():
         st.credit = 0.0  # no exploration round now
     plan = policy.plan(long + short)
     assert plan.draft_rows == [0] and plan.modes[1] == AR
+
+
+def test_a_request_held_on_ar_steps_drafts_again_as_its_own_evidence_fades():
+    """A request whose last rounds kept nothing, in a class whose chain keeps much, goes to AR steps;
+    held no more than FORGET rounds at a time, and its own runs weighing half as much every FORGET
+    tokens, it drafts again on its class's estimate alone, with no credit for a probe (acceptance
+    comes in stretches: the hard one it left says less and less of where it is now)."""
+    policy = Policy(synthetic_cost(1e-4, draft=0.03), 16, 16, 64, 4096)
+    _requests_in_turn(policy, 40, accept=0.95, rounds=20)
+    req = _requests(1)
+    for _ in range(40):  # a hard stretch: the drafts keep nothing, a token a round
+        plan = policy.plan(req)
+        if not plan.drafting:
+            break
+        _feed(policy, plan, req, accept=0.0)
+        req[0].output_ids.append(5)
+    assert plan.drafting == 0
+    for st in policy.classes.values():
+        st.credit = -1.0  # no probe, no exploration: only the fading evidence can end the AR steps
+    longest, tokens = policy.hold[1], len(req[0].output_ids)
+    while (plan := policy.plan(req)).drafting == 0:
+        longest = max(longest, policy.hold[1])
+        req[0].output_ids.append(5)
+        assert len(req[0].output_ids) < tokens + 6 * FORGET, "still on AR steps"
+    assert not plan.explored and plan.modes == [CHAIN]
+    assert 0 < longest <= FORGET
+    assert len(req[0].output_ids) > tokens + FORGET // 2  # the hard stretch did hold it a while
 
 
 def test_estimates_are_scaled_by_what_the_rows_chosen_on_them_kept():

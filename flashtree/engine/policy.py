@@ -5,7 +5,7 @@ rate = (R + sum over drafting rows of E_row(arm)) / seconds(R, arm, rows).
 E is measured: a verified tree tells what every smaller top-b tree would have accepted (`by_size`),
 and the chain's run along its spine. Acceptance comes in streaks, so the chain's E = shape x (level
 + P), a shape per sampling class, paired with the request's own recent base (its run over the first
-BASE spine nodes); a tree's is what it kept at that level beside the chain on the same rows. Exploring
+BASE spine nodes), whose weight halves every FORGET tokens it goes unmeasured; a tree's is what it kept at that level beside the chain on the same rows. Exploring
 thin trees, and probing requests on AR steps as their output doubles, is paid from a credit of
 EXPLORE of the time drafting saved plus PROBE of timed rounds' time. docs/performance.md says why.
 """
@@ -34,7 +34,8 @@ PRIOR_ROWS = 8  # the weight, in rows, of the level's and the chain's priors
 SETTLE_ROWS, SETTLE_ROUNDS = 32, 128  # rows measured, or rounds, before a class whose drafts do not pay seats plain
 EXPLORE, PROBE = 0.05, 0.01  # exploration credit: of the time drafting saved, and of timed rounds' time
 FACTOR_RATE = 0.1  # EMA weight of a timed round in its arm's cost factor
-HOLD_MAX = 32  # rounds AR steps may be decided ahead while the batch stays the same
+FORGET = 8  # output tokens over which a request's own evidence halves (its acceptance drifts), and the most
+# rounds AR steps are decided ahead: by then a held request's estimate has moved halfway back to its class's
 PROBE_TOKENS = 8  # a request's tokens before a probe (its first rounds keep little at T = 0)
 RECENT = 8  # requests whose own levels a class keeps: a new one is seated plain only if none would draft
 SCOUT = 8  # requests seated while their class is settled on AR steps: one in this many may draft
@@ -143,6 +144,7 @@ class Policy:
         self.run = np.zeros(slots)  # each request's own recent chain run (its spine's, in tree rounds)
         self.due = np.zeros(slots)  # the output tokens at which a request on AR steps is probed (again)
         self.tokens = np.zeros(slots)  # each request's output tokens when last planned
+        self.since = np.zeros(slots)  # ... and when last measured: its own evidence fades with the tokens since
         self.factor = np.ones(len(self.grid) + 2)  # timed / modelled seconds per arm; the last is AR's
         self.rounds = 0
         self.hold: tuple[list[str], int] = ([], 0)  # AR steps decided ahead: for this batch, this many rounds
@@ -213,11 +215,17 @@ class Policy:
                 recent[:] = [*recent[1 - RECENT:], float(self.level[s])]
             self.owner[s], self.cls[s] = req.request_id, sampling_class(req.params)
             self.level[s], self.measured[s], self.due[s] = self._stats(self.cls[s]).level, 0.0, PROBE_TOKENS
+            self.since[s] = 0.0
 
     def _levels(self, slots: list[int], classes: list[int]) -> np.ndarray:
         """Each row's level: its own, shrunk toward its class's (else the lucky rows would be chosen to draft)."""
-        own = self.measured[slots] / (self.measured[slots] + OWN_ROUNDS)
+        own = self.measured[slots] / (self.measured[slots] + OWN_ROUNDS) * self._fresh(slots)
         return own * self.level[slots] + (1 - own) * np.array([self._stats(c).level for c in classes])
+
+    def _fresh(self, slots: list[int]) -> np.ndarray:
+        """How much of each request's own evidence still holds: halved every FORGET output tokens since it
+        was last measured, so a request held on AR steps after a hard stretch drifts back to its class."""
+        return 0.5 ** ((self.tokens[slots] - self.since[slots]) / FORGET)
 
     def expected(self, classes: list[int], levels: np.ndarray, slots: list[int] | None = None
                  ) -> tuple[np.ndarray, np.ndarray]:
@@ -229,7 +237,7 @@ class Policy:
         bins = LEVELS.searchsorted(levels, "right")
         chain = np.array([st.shape for st in stats])[idx][:, None] * (np.asarray(levels)[:, None] + P)
         if slots is not None:  # requests unlike their class's others, by their own runs once the class is measured
-            own = self.measured[slots] / (self.measured[slots] + OWN_RUNS)
+            own = self.measured[slots] / (self.measured[slots] + OWN_RUNS) * self._fresh(slots)
             own = (own * [stats[i].level_rows >= SETTLE_ROWS for i in idx])[:, None]
             chain = own * self.run[slots][:, None] + (1 - own) * chain
         per = np.array([(s.rows, s.round - s.seen, *s.kept) for s in stats])[idx, :, :, bins]
@@ -285,7 +293,7 @@ class Policy:
             if probe is None:
                 # AR steps measure nothing: held until the batch changes, or an exploration or probe is due.
                 due = [self.due[reqs[i].slot] - 1 - len(reqs[i].output_ids) for i in rows]
-                self.hold = (ids, int(min(HOLD_MAX, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])))
+                self.hold = (ids, int(min(FORGET, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])))
                 return steps(ar_seconds)
             arm, explored, baseline = self.chain_arm, True, ar_rate
             rows = [rows[j] for j in probe]
@@ -379,6 +387,7 @@ class Policy:
                     self.run[s] += rate * (chain - self.run[s])
                     self.measured[s] += 1
                     self.due[s] = 2 * self.tokens[s]
+                    self.since[s] = self.tokens[s]
         for c in {self.cls[s] for s in slots}:
             for st in (self._stats(c), self._stats(-1 - c)):
                 st.credit += credit
