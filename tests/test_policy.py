@@ -679,7 +679,7 @@ def test_a_request_is_admitted_at_the_batch_it_will_run_in(tmp_path, monkeypatch
                                     max_batch=4, max_budget=8))
     seen: list[int] = []
     admit = engine.runner.policy.admit
-    monkeypatch.setattr(engine.runner.policy, "admit", lambda params, rows: (seen.append(rows), admit(params, rows))[1])
+    monkeypatch.setattr(engine.runner.policy, "admit", lambda params, rows, *a: (seen.append(rows), admit(params, rows, *a))[1])
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     engine.add_request([1, 2, 3], params)
     engine.step()
@@ -716,15 +716,18 @@ def test_settled_class_seats_requests_the_drafter_never_sees(tmp_path, monkeypat
     context_slots: list[int] = []
     add_context = runner.drafter.add_context
     runner.drafter.add_context = lambda ctx, f: (context_slots.extend(ctx.slots.tolist()), add_context(ctx, f))[1]
-    drafted: list[Request] = []
+    drafted: list[bool] = []  # whether each row a round drafted was speculative then
     step = runner.step
 
     def counted(batch):
         out = step(batch)
-        drafted.extend(batch[i] for i in runner.last_plan.draft_rows)
+        drafted.extend(batch[i].speculative for i in runner.last_plan.draft_rows)
         return out
 
     runner.step = counted
+    seated_plain: list[Request] = []
+    admit = runner.admit
+    runner.admit = lambda req, running: (admit(req, running), req.speculative or seated_plain.append(req))[0]
     reqs = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished:
         before = len(context_slots)
@@ -732,12 +735,51 @@ def test_settled_class_seats_requests_the_drafter_never_sees(tmp_path, monkeypat
         plain_slots = {r.slot for r in reqs if not r.speculative and not r.finished and r.num_computed}
         assert not plain_slots & set(context_slots[before:])
         assert all(runner.draft_cache.lengths[s] == 0 and runner.deferred.counts[s] == 0 for s in plain_slots)
-    assert all(r.speculative for r in drafted)
+    assert all(drafted)
     assert [r.output_ids for r in reqs] == [o.token_ids for o in ref]
-    plain = [r for r in reqs if not r.speculative]
-    assert len(plain) >= len(prompts) // 2  # most, once the class has settled
-    assert all(set(r.stats.modes) == {"ar"} for r in plain)
+    assert len(seated_plain) >= len(prompts) // 2  # most, once the class has settled
+    assert all(set(r.stats.modes) == {"ar"} for r in seated_plain)
     assert 1 <= sum(r.speculative for r in reqs[-2 * SCOUT:]) <= 4  # the scouts
+
+
+def test_requests_seated_before_their_class_settled_are_seated_plain_once_it_has(tmp_path, monkeypatch):
+    """Requests that arrive together on a fresh engine are all seated speculative (their class has
+    no evidence). Once the class settles on AR steps (a drafter wrong by construction, a synthetic
+    cost model where drafting loses, and here a few timed rounds enough to settle), the runner seats them again as admit would: those it would
+    seat plain stop keeping the drafter's context for the rest of their lives (no context
+    appended, drafter rows and held-back ring emptied), and every output still equals AR's."""
+    import flashtree.engine.policy as policy_module
+
+    monkeypatch.setattr(policy_module, "SETTLE_ROUNDS", 4)  # rounds its plans keep on AR steps (timed ones)
+    monkeypatch.setattr(policy_module, "SCOUT", 10**6)  # no scout: every running request may go plain
+    target = make_target(tmp_path / "t", vocab=64, logit_scale=6.0)
+    drafter = make_drafter(tmp_path / "d", target_layers=4, vocab=64, block_size=8, seed=7)
+    prompts = [[i, i + 1, i + 2] for i in range(1, 5)]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    ref = LLM(str(target), None, method="ar", device="cpu", max_model_len=96).generate(prompts, params)
+    engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", max_model_len=96,
+                                    max_batch=4, max_budget=32))
+    runner = engine.runner
+    runner.policy.cost = synthetic_cost(2e-3, rows=4)
+    runner.policy.cost.frozen = True
+    context_slots: list[int] = []
+    add_context = runner.drafter.add_context
+    runner.drafter.add_context = lambda ctx, f: (context_slots.extend(ctx.slots.tolist()), add_context(ctx, f))[1]
+    reqs = [engine.add_request(p, params) for p in prompts]
+    engine.step()
+    assert all(r.speculative for r in reqs) and runner.provisional == {r.slot for r in reqs}
+    demoted_at: dict[int, int] = {}
+    while engine.has_unfinished:
+        before = len(context_slots)
+        engine.step()
+        for r in reqs:
+            if not r.speculative and not r.finished:
+                demoted_at.setdefault(r.slot, len(r.output_ids))
+                assert r.slot not in context_slots[before:]
+                assert runner.draft_cache.lengths[r.slot] == 0 and runner.deferred.counts[r.slot] == 0
+    assert demoted_at and all(n < params.max_tokens for n in demoted_at.values())  # while they ran
+    assert not runner.provisional
+    assert [r.output_ids for r in reqs] == [o.token_ids for o in ref]
 
 
 def test_plain_and_speculative_requests_share_prefixes_only_where_the_drafter_has_them(tmp_path, monkeypatch):

@@ -393,19 +393,27 @@ class Policy:
                 st.credit += credit
                 st.round += 1
 
-    def admit(self, params: SamplingParams, rows: int) -> bool:
-        """May a request being seated ever draft? Not once its class is measured (SETTLE_ROWS rows, or
-        SETTLE_ROUNDS rounds: a class its plans keep on AR steps measures few) and no arm would pay in
-        the batch it joins, with any number of its rows drafting, even at the best own level of its
-        last RECENT requests (then it costs what an `ar` request does), but for one scout in SCOUT,
-        whose rounds keep the class measured."""
+    def settled(self, params: SamplingParams) -> bool:
+        """Whether the class is measured enough to seat its requests plain: SETTLE_ROWS rows (its
+        openings' count), or SETTLE_ROUNDS rounds (a class its plans keep on AR steps measures few)."""
         cls = sampling_class(params)
         st = self._stats(cls)
-        if st.level_rows + self._stats(-1 - cls).level_rows < SETTLE_ROWS and st.round < SETTLE_ROUNDS:
-            return True  # (openings' rows count)
+        return st.level_rows + self._stats(-1 - cls).level_rows >= SETTLE_ROWS or st.round >= SETTLE_ROUNDS
+
+    def admit(self, params: SamplingParams, rows: int, running: Request | None = None) -> bool:
+        """May a request being seated ever draft? Not once its class is settled and no arm would pay in
+        the batch it joins, with any number of its rows drafting, even at the best own level of its
+        last RECENT requests (or its own, for a `running` request judged again: seated plain, it costs
+        what an `ar` request does), but for one scout in SCOUT, whose rounds keep the class measured."""
+        if not self.settled(params):
+            return True
+        cls = sampling_class(params)
+        st = self._stats(cls)
         rows = max(1, min(rows, len(self.owner)))
         ar_seconds, table = self.seconds(rows, sampled=rows if cls else 0)
-        gains = self.expected([cls], [max([st.level, *st.recent])])[0][0]
+        s = running.slot if running is not None else None
+        own = [self.level[s]] if s is not None and self.owner[s] == running.request_id and self.measured[s] else []
+        gains = self.expected([cls], [max([st.level, *st.recent, *own])])[0][0]
         if ((rows + np.arange(1, rows + 1) * gains[:, None]) / table[:, 1:]).max() > rows / ar_seconds:
             return True
         st.seated += 1.0 / SCOUT

@@ -187,6 +187,7 @@ class ModelRunner:
         self._draft_pass = 0.0
         self._last_end: float | None = None  # when the previous round returned (the engine's time between counts)
         self.plain = [False] * slots  # per slot: its request never drafts, so its drafter rows are empty
+        self.provisional: set[int] = set()  # slots seated speculative before their class settled: judged again
         self.prompt_logits: dict[int, Tensor] = {}  # slot -> its complete prompt's last logits, until start_samples
         self.saved_states: dict[int, RecurrentState] = {}  # prefix reuse on a hybrid target: key -> state
         self.graphs: RoundGraphs | None = None
@@ -271,6 +272,25 @@ class ModelRunner:
             req.speculative = True
             return
         req.speculative = self.policy.admit(req.params, lifetime_rows(req, running))
+        if req.speculative and not self.policy.settled(req.params):
+            self.provisional.add(req.slot)
+        else:
+            self.provisional.discard(req.slot)
+
+    def judge(self, reqs: list[Request]) -> None:
+        """Seat again, as admit would now, the requests admitted speculative before their class
+        settled, once it has: one no arm would draft for (a scout aside) becomes plain, so its AR
+        steps stop keeping the drafter's context (target features, parked rows) for drafts that
+        never come. A short workload's first requests otherwise pay that for their whole lives."""
+        for r in reqs:
+            if r.slot in self.provisional and self.policy.settled(r.params):
+                self.provisional.discard(r.slot)
+                if not self.policy.admit(r.params, lifetime_rows(r, reqs), r):
+                    r.speculative, self.plain[r.slot] = False, True
+                    if self.deferred is not None:
+                        self.deferred.reset(r.slot)
+                    if self.drafter is not None:
+                        self.draft_cache.set_length(r.slot, 0)
 
     def seat(self, slot: int, source: int | None, length: int, state_key: int | None = None,
              speculative: bool = True) -> int:
@@ -401,6 +421,8 @@ class ModelRunner:
         for r in reqs[1:]:
             r.speculative = first.speculative
             self.seat(r.slot, first.slot, n, speculative=first.speculative)
+            if first.slot in self.provisional:
+                self.provisional.add(r.slot)
         x = self.prompt_logits.pop(first.slot).expand(len(reqs), -1, -1)
         sampling = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs], self.device,
                                        self.sampling_inputs)
@@ -425,6 +447,8 @@ class ModelRunner:
         real = len(reqs)
         if self.static and self.policy is None:  # pad the batch to its bucket (greedy rows, dummy slot)
             reqs = reqs + self.pads[: batch_bucket(real) - real]
+        if self.provisional:
+            self.judge(reqs)
         plan = self.plan(reqs)
         emitted, logprobs, (counts, held, paths) = self.run_round(reqs, plan, real)
         self.last_plan = plan
