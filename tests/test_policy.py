@@ -16,8 +16,8 @@ import torch
 from flashtree import LLM, EngineConfig, LLMEngine, SamplingParams
 from flashtree.engine import cost_cache, cost_model
 from flashtree.engine.cost_model import Grid
-from flashtree.engine.policy import (BASE, FORGET, PROBE, PROBE_TOKENS, SCOUT, SETTLE_ROUNDS, SETTLE_ROWS, Policy, by_size,
-                                     sampling_class)
+from flashtree.engine.policy import (BASE, FORGET, PROBE, PROBE_TOKENS, SCOUT, SETTLE_ROUNDS, SETTLE_ROWS, Policy,
+                                     by_size, sampling_class)
 from flashtree.engine.round_plan import AR, CHAIN, RoundPlan, fixed_plan
 from flashtree.engine.runner import path_codes
 from flashtree.engine.sequence import Request
@@ -679,7 +679,8 @@ def test_a_request_is_admitted_at_the_batch_it_will_run_in(tmp_path, monkeypatch
                                     max_batch=4, max_budget=8))
     seen: list[int] = []
     admit = engine.runner.policy.admit
-    monkeypatch.setattr(engine.runner.policy, "admit", lambda params, rows, *a: (seen.append(rows), admit(params, rows, *a))[1])
+    monkeypatch.setattr(engine.runner.policy, "admit",
+                        lambda params, rows, *a: (seen.append(rows), admit(params, rows, *a))[1])
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     engine.add_request([1, 2, 3], params)
     engine.step()

@@ -5,9 +5,10 @@ rate = (R + sum over drafting rows of E_row(arm)) / seconds(R, arm, rows).
 E is measured: a verified tree tells what every smaller top-b tree would have accepted (`by_size`),
 and the chain's run along its spine. Acceptance comes in streaks, so the chain's E = shape x (level
 + P), a shape per sampling class, paired with the request's own recent base (its run over the first
-BASE spine nodes), whose weight halves every FORGET tokens it goes unmeasured; a tree's is what it kept at that level beside the chain on the same rows. Exploring
-thin trees, and probing requests on AR steps as their output doubles, is paid from a credit of
-EXPLORE of the time drafting saved plus PROBE of timed rounds' time. docs/performance.md says why.
+BASE spine nodes), whose weight halves every FORGET tokens it goes unmeasured; a tree's is what it
+kept at that level beside the chain on the same rows. Exploring thin trees, and probing requests on
+AR steps as their output doubles, is paid from a credit of EXPLORE of the time drafting saved plus
+PROBE of timed rounds' time. docs/performance.md says why.
 """
 
 from __future__ import annotations
