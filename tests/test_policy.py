@@ -16,8 +16,8 @@ import torch
 from flashtree import LLM, EngineConfig, LLMEngine, SamplingParams
 from flashtree.engine import cost_cache, cost_model
 from flashtree.engine.cost_model import Grid
-from flashtree.engine.policy import (BASE, FORGET, PROBE, PROBE_TOKENS, SCOUT, SETTLE_ROUNDS, SETTLE_ROWS, Policy,
-                                     by_size, sampling_class)
+from flashtree.engine.policy import (BASE, FORGET, PROBE, PROBE_TOKENS, REUSE, SCOUT, SETTLE_ROUNDS, SETTLE_ROWS,
+                                     Policy, by_size, sampling_class)
 from flashtree.engine.round_plan import AR, CHAIN, RoundPlan, fixed_plan
 from flashtree.engine.runner import path_codes
 from flashtree.engine.sequence import Request
@@ -159,6 +159,13 @@ def _feed(policy: Policy, plan: RoundPlan, reqs: list[Request], accept: float, s
         for i in plan.draft_rows:
             accepted[i] = round(float(curve[-1]))
     policy.observe(plan, [r.slot for r in reqs], accepted, measured, (plan.seconds or 0.01) * slow)
+
+
+def _replan(policy: Policy, reqs: list[Request]) -> RoundPlan:
+    """A fresh plan for `reqs`, not the one a lone request's last plan holds for its next round (REUSE):
+    for tests that change the policy's state between plans."""
+    policy.hold = ([], 0)
+    return policy.plan(reqs)
 
 
 def _run(policy: Policy, reqs: list[Request], accept: float, rounds: int) -> list[RoundPlan]:
@@ -319,6 +326,38 @@ def test_a_request_held_on_ar_steps_drafts_again_as_its_own_evidence_fades():
     assert len(req[0].output_ids) > tokens + FORGET // 2  # the hard stretch did hold it a while
 
 
+def test_a_lone_requests_drafting_plan_is_played_for_its_next_round_too():
+    """Planning a lone request is a visible share of its round (batch 1 on a small model), and its plan
+    seldom changes from one round to the next: a drafting plan is played REUSE rounds before the next is
+    made, every round observed as usual; an exploration is played once, and a batch of two is planned
+    every round."""
+    policy = Policy(synthetic_cost(1e-4), 16, 16, 64, 4096)
+    reqs = _requests(1)
+    calls = []
+    expected = policy.expected
+    policy.expected = lambda *a: (calls.append(1), expected(*a))[1]
+    plans = []
+    for _ in range(3 * REUSE):
+        for st in policy.classes.values():
+            st.credit = -1.0  # no exploration yet
+        plans.append(policy.plan(reqs))
+        _feed(policy, plans[-1], reqs, accept=0.9)
+        reqs[0].output_ids.append(5)
+    assert all(p.drafting and not p.explored for p in plans)
+    assert len(calls) == 3 and all(plans[i] is plans[i - i % REUSE] for i in range(len(plans)))
+    for st in policy.classes.values():
+        st.credit = 10.0  # enough to explore
+    explore = _replan(policy, reqs)
+    assert explore.explored
+    calls.clear()
+    assert policy.plan(reqs) is not explore and calls == [1]
+    pair = _requests(2)
+    calls.clear()
+    for _ in range(3):
+        _feed(policy, policy.plan(pair), pair, accept=0.9)
+    assert len(calls) == 3
+
+
 def test_estimates_are_scaled_by_what_the_rows_chosen_on_them_kept():
     """Sampled rows chosen to draft on their estimates keep 1 token where 8 were predicted (estimates run
     high where noise put them high): every estimate of the class is scaled by kept / predicted, and the
@@ -342,7 +381,7 @@ def test_estimates_are_scaled_by_what_the_rows_chosen_on_them_kept():
     for policy in (calibrated, plain):
         for st in policy.classes.values():
             st.credit = 0.0  # no exploration round now
-    assert plain.plan(reqs).drafting and not calibrated.plan(reqs).drafting
+    assert _replan(plain, reqs).drafting and not _replan(calibrated, reqs).drafting
     greedy = Policy(synthetic_cost(1e-4, draft=0.03), 16, 16, 64, 4096)
     greedy.plan(_requests(1))
     greedy.observe(chosen, [0], [1], None, 0.05)
@@ -452,7 +491,7 @@ def test_exploration_plays_the_largest_thin_tree_only():
     st = policy.classes[0]
     st.rows[policy.chain_arm] = 100  # the chain is known; every tree is thin
     st.credit = 10.0
-    assert policy.plan(reqs).arm == policy.grid.index(64)
+    assert _replan(policy, reqs).arm == policy.grid.index(64)
     # Credit between what a tree of 2 and the tree of 64 are predicted to lose: no exploration.
     ar_seconds, table = policy.seconds(1)
     gains, _ = policy.expected([0], np.array([st.level]))
@@ -460,7 +499,7 @@ def test_exploration_plays_the_largest_thin_tree_only():
     loss = {b: table[policy.grid.index(b), 1] - (1 + gains[0, policy.grid.index(b)]) / best for b in (2, 64)}
     assert loss[2] < loss[64]
     st.credit = (max(loss[2], 0.0) + loss[64]) / 2
-    plan = policy.plan(reqs)
+    plan = _replan(policy, reqs)
     assert not plan.explored
 
 

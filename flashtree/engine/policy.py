@@ -41,6 +41,7 @@ PROBE_TOKENS = 8  # a request's tokens before a probe (its first rounds keep lit
 RECENT = 8  # requests whose own levels a class keeps: a new one is seated plain only if none would draft
 SCOUT = 8  # requests seated while their class is settled on AR steps: one in this many may draft
 SCALE_MIN = 0.25  # the least a sampled class's kept / predicted scales its estimates by
+REUSE = 2  # rounds a lone request's drafting plan is played: planning is ~4% of a round at batch 1 (docs)
 
 
 def sampling_class(params: SamplingParams) -> int:
@@ -148,7 +149,8 @@ class Policy:
         self.since = np.zeros(slots)  # ... and when last measured: its own evidence fades with the tokens since
         self.factor = np.ones(len(self.grid) + 2)  # timed / modelled seconds per arm; the last is AR's
         self.rounds = 0
-        self.hold: tuple[list[str], int] = ([], 0)  # AR steps decided ahead: for this batch, this many rounds
+        self.hold: tuple[list[str], int] = ([], 0)  # rounds decided ahead: for this batch, this many rounds ...
+        self.held: RoundPlan | None = None  # ... of this plan (None: AR steps)
         self._tables: dict[int, tuple[int, np.ndarray, bool]] = {}  # per rows: refinements // 16, table, arms priced
         self._plans: dict[tuple[int, int], RoundPlan] = {}
         self._per_key: dict[tuple[int, int], tuple] = {}  # seconds() per (rows, sampled): cost.per_key's
@@ -268,7 +270,10 @@ class Policy:
         if self.hold[1] > 0 and self.hold[0] == ids:
             # Held rounds are timed too: every drafting arm is judged against AR's factor.
             self.hold = (ids, self.hold[1] - 1)
-            return steps()
+            if self.held is None:
+                return steps()
+            self.tokens[reqs[0].slot] = len(reqs[0].output_ids)  # (observe dates its measurements by it)
+            return self.held
         for r in reqs:
             self._claim(r)
         rows = [i for i, r in enumerate(reqs) if r.speculative]
@@ -294,17 +299,20 @@ class Policy:
             if probe is None:
                 # AR steps measure nothing: held until the batch changes, or an exploration or probe is due.
                 due = [self.due[reqs[i].slot] - 1 - len(reqs[i].output_ids) for i in rows]
-                self.hold = (ids, int(min(FORGET, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])))
+                self.hold, self.held = (ids, int(min(FORGET, short / (PROBE * ar_seconds), *[d for d in due if d >= 0]))), None
                 return steps(ar_seconds)
             arm, explored, baseline = self.chain_arm, True, ar_rate
             rows = [rows[j] for j in probe]
             gains, k = gains[probe], len(probe)
         chosen = {rows[i]: float(gains[i, arm]) for i in np.argsort(-gains[:, arm], kind="stable")[:k]}
         plan = self.arm_plan(arm, R)
-        return replace(plan, modes=[plan.modes[0] if i in chosen else AR for i in range(R)], draft_rows=sorted(chosen),
+        plan = replace(plan, modes=[plan.modes[0] if i in chosen else AR for i in range(R)], draft_rows=sorted(chosen),
                        tree_rows=len(chosen) if plan.tree_rows else 0, seconds=float(table[arm, k]),
                        predicted=[chosen.get(i, 0.0) for i in range(R)], explored=explored, keys=keys, sampled=sampled,
                        baseline=baseline)
+        if R == 1 and not explored:  # a lone request's plan seldom changes from one round to the next
+            self.hold, self.held = (ids, REUSE - 1), plan
+        return plan
 
     def _probe(self, reqs: list[Request], rows: list[int], classes: list[int], gains: np.ndarray, table: np.ndarray,
                R: int, ar_rate: float) -> list[int] | None:
