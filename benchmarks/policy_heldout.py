@@ -18,7 +18,9 @@ out up to 40% apart. A label's rate is its tokens over its own steps' CPU second
 process's; run it with one thread), all passes together: CPU time leaves out the time the
 process waited for its core while other jobs ran, which wall time charged to whichever engine
 was stepping; auto starts fresh in every cell and keeps what it learned from pass to pass, as a
-server does, so its learning is in the number. The twin shows the spread of identical engines.
+server does, so its learning is in the number. Its cost tables are measured afresh for each run, in
+a cache directory of the run's own (an earlier run's refinements, learned beside whatever it ran
+with, would price this one). The twin shows the spread of identical engines.
 
     OMP_NUM_THREADS=1 python benchmarks/policy_heldout.py --out heldout.json
 """
@@ -27,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,8 +172,13 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu (cuda: timed by wall clock)")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap every request's output length")
     ap.add_argument("--capture", action="store_true", help="capture every engine's rounds at start-up")
+    ap.add_argument("--cost-cache", default=None,
+                    help="directory for auto's cost tables (default: a fresh one for this run, so no earlier "
+                         "run's refined prices carry over; 'user': flashtree's usual cache)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.cost_cache != "user":  # engines read it from the environment (EngineConfig.cost_cache None)
+        os.environ["FLASHTREE_CACHE_DIR"] = args.cost_cache or tempfile.mkdtemp(prefix="flashtree-heldout-")
     labels = list(dict.fromkeys([*args.labels, "auto", TWIN]))
     base = engine("ar", 1, None, args.drafter, args.device)
     texts = heldout_prompts(max(8, args.per_batch * max(args.batches)) * 2, packages=tuple(args.packages))
