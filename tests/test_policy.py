@@ -735,6 +735,23 @@ def test_a_request_is_admitted_at_the_batch_it_will_run_in(tmp_path, monkeypatch
     assert seen == [4, 4, 4, 1]  # (8 + 8 + 8 + 64) / 64 rounds to 1
 
 
+def _settling_engine(tmp_path, prompts: list[list[int]], params: SamplingParams, batch: int):
+    """An engine whose class settles on AR steps (a drafter wrong by construction, a synthetic cost model
+    where drafting loses), AR's outputs for `prompts`, and the slots its drafter is given context for."""
+    target = make_target(tmp_path / "t", vocab=64, logit_scale=6.0)
+    drafter = make_drafter(tmp_path / "d", target_layers=4, vocab=64, block_size=8, seed=7)
+    ref = LLM(str(target), None, method="ar", device="cpu", max_model_len=96).generate(prompts, params)
+    engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", max_model_len=96,
+                                    max_batch=batch, max_budget=32))
+    runner = engine.runner
+    runner.policy.cost = synthetic_cost(2e-3, rows=batch)
+    runner.policy.cost.frozen = True
+    context_slots: list[int] = []
+    add_context = runner.drafter.add_context
+    runner.drafter.add_context = lambda ctx, f: (context_slots.extend(ctx.slots.tolist()), add_context(ctx, f))[1]
+    return engine, ref, context_slots
+
+
 def test_settled_class_seats_requests_the_drafter_never_sees(tmp_path, monkeypatch):
     """Once a class is settled on AR steps (a drafter wrong by construction, a synthetic cost
     model where drafting loses, and here a few rows of evidence enough to settle), new requests
@@ -743,19 +760,10 @@ def test_settled_class_seats_requests_the_drafter_never_sees(tmp_path, monkeypat
     import flashtree.engine.policy as policy_module
 
     monkeypatch.setattr(policy_module, "SETTLE_ROWS", 4)
-    target = make_target(tmp_path / "t", vocab=64, logit_scale=6.0)
-    drafter = make_drafter(tmp_path / "d", target_layers=4, vocab=64, block_size=8, seed=7)
     prompts = [[i, i + 1, i + 2] for i in range(1, 33)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    ref = LLM(str(target), None, method="ar", device="cpu", max_model_len=96).generate(prompts, params)
-    engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", max_model_len=96,
-                                    max_batch=2, max_budget=32))
+    engine, ref, context_slots = _settling_engine(tmp_path, prompts, params, batch=2)
     runner = engine.runner
-    runner.policy.cost = synthetic_cost(2e-3, rows=2)
-    runner.policy.cost.frozen = True
-    context_slots: list[int] = []
-    add_context = runner.drafter.add_context
-    runner.drafter.add_context = lambda ctx, f: (context_slots.extend(ctx.slots.tolist()), add_context(ctx, f))[1]
     drafted: list[bool] = []  # whether each row a round drafted was speculative then
     step = runner.step
 
@@ -785,26 +793,18 @@ def test_settled_class_seats_requests_the_drafter_never_sees(tmp_path, monkeypat
 def test_requests_seated_before_their_class_settled_are_seated_plain_once_it_has(tmp_path, monkeypatch):
     """Requests that arrive together on a fresh engine are all seated speculative (their class has
     no evidence). Once the class settles on AR steps (a drafter wrong by construction, a synthetic
-    cost model where drafting loses, and here a few timed rounds enough to settle), the runner seats them again as admit would: those it would
-    seat plain stop keeping the drafter's context for the rest of their lives (no context
-    appended, drafter rows and held-back ring emptied), and every output still equals AR's."""
+    cost model where drafting loses, and here a few timed rounds enough to settle), the runner
+    seats them again as admit would: those it would seat plain stop keeping the drafter's context
+    for the rest of their lives (no context appended, drafter rows and held-back ring emptied), and
+    every output still equals AR's."""
     import flashtree.engine.policy as policy_module
 
     monkeypatch.setattr(policy_module, "SETTLE_ROUNDS", 4)  # rounds its plans keep on AR steps (timed ones)
     monkeypatch.setattr(policy_module, "SCOUT", 10**6)  # no scout: every running request may go plain
-    target = make_target(tmp_path / "t", vocab=64, logit_scale=6.0)
-    drafter = make_drafter(tmp_path / "d", target_layers=4, vocab=64, block_size=8, seed=7)
     prompts = [[i, i + 1, i + 2] for i in range(1, 5)]
     params = SamplingParams(max_tokens=48, ignore_eos=True)
-    ref = LLM(str(target), None, method="ar", device="cpu", max_model_len=96).generate(prompts, params)
-    engine = LLMEngine(EngineConfig(target=str(target), drafter=str(drafter), device="cpu", max_model_len=96,
-                                    max_batch=4, max_budget=32))
+    engine, ref, context_slots = _settling_engine(tmp_path, prompts, params, batch=4)
     runner = engine.runner
-    runner.policy.cost = synthetic_cost(2e-3, rows=4)
-    runner.policy.cost.frozen = True
-    context_slots: list[int] = []
-    add_context = runner.drafter.add_context
-    runner.drafter.add_context = lambda ctx, f: (context_slots.extend(ctx.slots.tolist()), add_context(ctx, f))[1]
     reqs = [engine.add_request(p, params) for p in prompts]
     engine.step()
     assert all(r.speculative for r in reqs) and runner.provisional == {r.slot for r in reqs}
