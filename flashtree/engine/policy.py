@@ -299,7 +299,8 @@ class Policy:
             if probe is None:
                 # AR steps measure nothing: held until the batch changes, or an exploration or probe is due.
                 due = [self.due[reqs[i].slot] - 1 - len(reqs[i].output_ids) for i in rows]
-                self.hold, self.held = (ids, int(min(FORGET, short / (PROBE * ar_seconds), *[d for d in due if d >= 0]))), None
+                rounds = min(FORGET, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])
+                self.hold, self.held = (ids, int(rounds)), None
                 return steps(ar_seconds)
             arm, explored, baseline = self.chain_arm, True, ar_rate
             rows = [rows[j] for j in probe]
