@@ -503,7 +503,8 @@ class ModelRunner:
         end = time.perf_counter()
         if timed(plan, self.policy.rounds):
             gap = t0 - self._last_end if self._last_end is not None else 0.0
-            self.learn(plan, [r.slot for r in reqs], counts, end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0), held, paths)
+            seconds = end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0)
+            self.learn(plan, [r.slot for r in reqs], counts, seconds, held, paths)
         self._last_end = time.perf_counter()
 
     # ---- captured rounds (capture=True; compile=True on CUDA) --------------------------------
