@@ -276,6 +276,12 @@ def test_a_uniform_batch_is_planned_as_the_per_row_path_plans_it(monkeypatch):
         _feed(two, b, mixed, accept=0.8)
 
 
+def _own_estimates(policy: Policy, slots: list[int], classes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The rows' levels and the weights of their own chain runs, as a plan works them out."""
+    own_level, own_run = policy._own(np.array(slots))
+    return policy._levels(np.array(slots), classes, own_level), own_run
+
+
 def test_a_request_is_predicted_from_its_own_chain_runs():
     """Two greedy requests whose spines both keep their first 3 tokens (the same level), then one runs
     on to all 15 and the other stops. The class's shape alone predicts them alike; each one's own
@@ -287,11 +293,11 @@ def test_a_request_is_predicted_from_its_own_chain_runs():
         for reqs, run in ((long, 15), (short, 3)):
             policy.plan(reqs)
             policy.observe(chain, [reqs[0].slot], [run], None, 0.05)
-    levels = policy._levels([0, 1], [0, 0])
+    levels, runs = _own_estimates(policy, [0, 1], [0, 0])
     assert levels[0] == levels[1]
     pooled, _ = policy.expected([0, 0], levels)
     assert pooled[0, -1] == pooled[1, -1]
-    own, _ = policy.expected([0, 0], levels, [0, 1])
+    own, _ = policy.expected([0, 0], levels, np.array([0, 1]), runs)
     assert own[0, -1] > 12 and own[1, -1] < 4
     for st in policy.classes.values():
         st.credit = 0.0  # no exploration round now
@@ -372,9 +378,9 @@ def test_estimates_are_scaled_by_what_the_rows_chosen_on_them_kept():
             policy.observe(chosen, [0], [1], None, 0.05)
             policy.observe(replace(chosen, explored=True, baseline=100.0), [0], [9], None, 0.05)
     plain.classes[7].calibration[:] = (1.0, 1.0, 0.0)
-    levels = calibrated._levels([0], [7])
-    scaled, _ = calibrated.expected([7], levels, [0])
-    unscaled, _ = plain.expected([7], levels, [0])
+    levels, runs = _own_estimates(calibrated, [0], [7])
+    scaled, _ = calibrated.expected([7], levels, np.array([0]), runs)
+    unscaled, _ = plain.expected([7], levels, np.array([0]), runs)
     factor = scaled[0, -1] / unscaled[0, -1]
     assert factor < 0.5
     assert np.allclose(scaled, np.minimum(unscaled * factor, calibrated.cap))
@@ -531,7 +537,8 @@ def test_a_request_on_ar_steps_is_probed_with_the_chain_each_time_its_output_dou
 
     def probe_credit(policy, req):  # enough for the chain's predicted loss, short of exploring the tree of 64
         ar_seconds, table = policy.seconds(1)
-        gains = policy.expected([0], policy._levels([req.slot], [0]), [req.slot])[0][0]
+        levels, runs = _own_estimates(policy, [req.slot], [0])
+        gains = policy.expected([0], levels, np.array([req.slot]), runs)[0][0]
         loss = table[:, 1] - (1 + gains) * ar_seconds
         assert loss[policy.grid.index(64)] > 1.01 * loss[policy.chain_arm]
         policy.classes[0].credit = 1.01 * max(loss[policy.chain_arm], 0.0)

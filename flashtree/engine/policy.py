@@ -37,6 +37,7 @@ EXPLORE, PROBE = 0.05, 0.01  # exploration credit: of the time drafting saved, a
 FACTOR_RATE = 0.1  # EMA weight of a timed round in its arm's cost factor
 FORGET = 8  # output tokens over which a request's own evidence halves (its acceptance drifts), and the most
 # rounds AR steps are decided ahead: by then a held request's estimate has moved halfway back to its class's
+HOLD = 32  # ... unless its class's estimate would not draft either: then nothing but a probe or exploration can
 PROBE_TOKENS = 8  # a request's tokens before a probe (its first rounds keep little at T = 0)
 RECENT = 8  # requests whose own levels a class keeps: a new one is seated plain only if none would draft
 SCOUT = 8  # requests seated while their class is settled on AR steps: one in this many may draft
@@ -73,7 +74,7 @@ class ClassStats:
         self.seen = np.zeros_like(self.kept[0])  # the class's round when each was last measured
         self.reached = np.full(depth, float(PRIOR_ROWS))  # the chain: rows that reached each depth ...
         self.stopped = self.reached / (depth / 2 + 1)  # ... and stopped there (prior: ~half kept)
-        self._survive()
+        self._survival: np.ndarray | None = None  # their survival by depth, worked out when next read
         self.round, self.credit = 0, 0.0  # the class's rounds; seconds exploration may spend
         self.seated = 0.0  # scouts owed to requests seated plain (admit)
         self.recent: list[float] = []  # the own levels of its last RECENT measured requests
@@ -90,14 +91,18 @@ class ClassStats:
     def chain_run(self, run: int, censored: bool, level: int = 0) -> float:
         """The chain kept `run` drafted tokens, and stopped at the next one unless censored; returns its
         expected run (past `run` where censored, from the survival before this row)."""
-        run, survival = int(run), self.survival
-        expected = run + survival[run:].sum() / (survival[run - 1] if run else 1.0) if censored else run
+        run = int(run)
+        if censored:
+            survival = self.survival
+            expected = run + survival[run:].sum() / (survival[run - 1] if run else 1.0)
+        else:
+            expected = run
         self.reached *= 1 - SHAPE_RATE
         self.stopped *= 1 - SHAPE_RATE
         self.reached[: run + (not censored)] += 1
         if not censored and run < len(self.stopped):
             self.stopped[run] += 1
-        self._survive()
+        self._survival = None
         self.rows[-1, level] += 1
         self.seen[-1, level] = self.round
         return float(expected)
@@ -112,13 +117,15 @@ class ClassStats:
     def scale(self) -> float:  # kept / predicted, bounded so a class on AR steps drafts again where raw estimates soar
         return min(max(self.calibration[1] / max(self.calibration[0], 1e-9), SCALE_MIN), 1 / SCALE_MIN)
 
-    def _survive(self) -> None:  # the chain's survival by depth, kept: every plan reads it, drafting rows move it
-        self.survival = np.cumprod(1 - self.stopped / self.reached)
-        self.expected_run = self.survival.sum()
+    @property
+    def survival(self) -> np.ndarray:  # the chain's survival by depth: worked out once a plan reads it, not per row
+        if self._survival is None:
+            self._survival = np.cumprod(1 - self.stopped / self.reached)
+        return self._survival
 
     @property
     def shape(self) -> float:  # the chain's: its expected run over level + P
-        return self.expected_run / (self.level + P)
+        return float(self.survival.sum()) / (self.level + P)
 
     def leveled(self, base: float) -> None:
         self.level += max(LEVEL_RATE, 1.0 / (1.0 + PRIOR_ROWS + self.level_rows)) * (base - self.level)
@@ -220,18 +227,20 @@ class Policy:
             self.level[s], self.measured[s], self.due[s] = self._stats(self.cls[s]).level, 0.0, PROBE_TOKENS
             self.since[s] = 0.0
 
-    def _levels(self, slots: list[int], classes: list[int]) -> np.ndarray:
+    def _own(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """How much each request's own level and own chain run weigh against its class's: n measured rounds
+        count n / (n + OWN_ROUNDS or OWN_RUNS), halved every FORGET output tokens since the last, so a request
+        held on AR steps after a hard stretch drifts back to its class."""
+        n = self.measured[slots]
+        fresh = 0.5 ** ((self.tokens[slots] - self.since[slots]) / FORGET)
+        return n / (n + OWN_ROUNDS) * fresh, n / (n + OWN_RUNS) * fresh
+
+    def _levels(self, slots: np.ndarray, classes: list[int], own: np.ndarray) -> np.ndarray:
         """Each row's level: its own, shrunk toward its class's (else the lucky rows would be chosen to draft)."""
-        own = self.measured[slots] / (self.measured[slots] + OWN_ROUNDS) * self._fresh(slots)
         return own * self.level[slots] + (1 - own) * np.array([self._stats(c).level for c in classes])
 
-    def _fresh(self, slots: list[int]) -> np.ndarray:
-        """How much of each request's own evidence still holds: halved every FORGET output tokens since it
-        was last measured, so a request held on AR steps after a hard stretch drifts back to its class."""
-        return 0.5 ** ((self.tokens[slots] - self.since[slots]) / FORGET)
-
-    def expected(self, classes: list[int], levels: np.ndarray, slots: list[int] | None = None
-                 ) -> tuple[np.ndarray, np.ndarray]:
+    def expected(self, classes: list[int], levels: np.ndarray, slots: np.ndarray | None = None,
+                 own: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """[rows, arms]: the drafted tokens each row (its class and level) is expected to keep, and the rows
         each estimate rests on (at most KNOWN). A tree keeps what it kept in the row's level bin, less where
         the chain is expected to keep less than it did on those rows; never measured there, the chain's first b."""
@@ -239,8 +248,7 @@ class Policy:
         idx, stats = [uniq.index(c) for c in classes], [self._stats(c) for c in uniq]
         bins = LEVELS.searchsorted(levels, "right")
         chain = np.array([st.shape for st in stats])[idx][:, None] * (np.asarray(levels)[:, None] + P)
-        if slots is not None:  # requests unlike their class's others, by their own runs once the class is measured
-            own = self.measured[slots] / (self.measured[slots] + OWN_RUNS) * self._fresh(slots)
+        if slots is not None:  # requests unlike their class's others, by their own runs (own) once the class is measured
             own = (own * [stats[i].level_rows >= SETTLE_ROWS for i in idx])[:, None]
             chain = own * self.run[slots][:, None] + (1 - own) * chain
         per = np.array([(s.rows, s.round - s.seen, *s.kept) for s in stats])[idx, :, :, bins]
@@ -281,12 +289,14 @@ class Policy:
             return steps()
         ar_seconds, table = self.seconds(R, keys, sampled)
         ar_rate = R / ar_seconds
-        slots = [reqs[i].slot for i in rows]
+        slots = np.array([reqs[i].slot for i in rows])
         self.tokens[slots] = [len(reqs[i].output_ids) for i in rows]
         classes = [self._class_of(s) for s in slots]
-        gains, known = self.expected(classes, self._levels(slots, classes), slots)  # [k, arms]
+        own_level, own_run = self._own(slots)
+        gains, known = self.expected(classes, self._levels(slots, classes, own_level), slots, own_run)  # [k, arms]
         room = [reqs[i].params.max_tokens - len(reqs[i].output_ids) - 1 for i in rows]  # drafted tokens it may keep
-        gains = np.minimum(gains, np.maximum(np.array(room, dtype=float), 0.0)[:, None])
+        room = np.maximum(np.array(room, dtype=float), 0.0)[:, None]
+        gains = np.minimum(gains, room)
         # A tree is played for its rate only once measured; before that, only to explore it.
         arm, k, rate = self._best(np.where(known > 0, gains, 0.0), table, R)
         baseline = max(rate, ar_rate)
@@ -299,7 +309,8 @@ class Policy:
             if probe is None:
                 # AR steps measure nothing: held until the batch changes, or an exploration or probe is due.
                 due = [self.due[reqs[i].slot] - 1 - len(reqs[i].output_ids) for i in rows]
-                rounds = min(FORGET, short / (PROBE * ar_seconds), *[d for d in due if d >= 0])
+                rounds = min(self._hold(classes, room, table, R, ar_rate), short / (PROBE * ar_seconds),
+                             *[d for d in due if d >= 0])
                 self.hold, self.held = (ids, int(rounds)), None
                 return steps(ar_seconds)
             arm, explored, baseline = self.chain_arm, True, ar_rate
@@ -314,6 +325,12 @@ class Policy:
         if R == 1 and not explored:  # a lone request's plan seldom changes from one round to the next
             self.hold, self.held = (ids, REUSE - 1), plan
         return plan
+
+    def _hold(self, classes: list[int], room: np.ndarray, table: np.ndarray, R: int, ar_rate: float) -> int:
+        """The most rounds AR steps may be decided ahead: FORGET, over which the rows' own evidence fades
+        toward their classes', or HOLD where their classes' estimates alone would not draft either."""
+        gains, known = self.expected(classes, np.array([self._stats(c).level for c in classes]))
+        return FORGET if self._best(np.where(known > 0, np.minimum(gains, room), 0.0), table, R)[2] > ar_rate else HOLD
 
     def _probe(self, reqs: list[Request], rows: list[int], classes: list[int], gains: np.ndarray, table: np.ndarray,
                R: int, ar_rate: float) -> list[int] | None:
@@ -376,9 +393,9 @@ class Policy:
             # plan it displaced: the best arm's rate, not AR's, where drafting pays.
             credit = PROBE * seconds + (min(0.0, tokens / plan.baseline - seconds) if plan.explored
                                         else EXPLORE * max(0.0, tokens * ar_seconds / R - seconds))
-            drafted = [slots[i] for i in plan.draft_rows]
+            drafted = np.array([slots[i] for i in plan.draft_rows])
             classes = [self._class_of(s) for s in drafted]
-            bins = LEVELS.searchsorted(self._levels(drafted, classes), "right")
+            bins = LEVELS.searchsorted(self._levels(drafted, classes, self._own(drafted)[0]), "right")
             for n, (s, cls, level) in enumerate(zip(drafted, classes, bins)):
                 st = self._stats(cls)
                 row = plan.draft_rows[n]
