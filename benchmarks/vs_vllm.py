@@ -112,6 +112,14 @@ def build_vllm(job: dict):
     return one, llm, load
 
 
+def pooled_tau(outputs: list[list[int]], taus: list[float | None]) -> float | None:
+    """Tokens over verify steps across all prompts, as vllm_ddtree.py counts vLLM's (a mean of the
+    per-prompt taus weighs a short, well-guessed prompt's steps more and reads about a fifth higher here)."""
+    if taus[0] is None:
+        return None
+    return sum(len(t) for t in outputs) / sum(len(t) / tau for t, tau in zip(outputs, taus))
+
+
 def run_config(job: dict) -> dict:
     """One config alone: every prompt in turn, wall-clock timed."""
     one, llm, load = (build_vllm if job["engine"] == "vllm" else build_flashtree)(job)
@@ -121,7 +129,7 @@ def run_config(job: dict) -> dict:
         outputs.append(tokens)
         taus.append(tau)
     wall = time.perf_counter() - t0
-    return {"wall": wall, "load": load, "outputs": outputs, "tau": None if taus[0] is None else sum(taus) / len(taus),
+    return {"wall": wall, "load": load, "outputs": outputs, "tau": pooled_tau(outputs, taus),
             "capture_seconds": capture_seconds(llm)}
 
 
@@ -144,7 +152,7 @@ def run_interleaved(configs: list[dict], common: dict, passes: int, first_core: 
         outputs, taus = [tokens for tokens, _ in t["results"]], [tau for _, tau in t["results"]]
         result[label] = {"cpu": t["cpu"] / passes, "wall": t["wall"] / passes, "load": engines[label][2],
                          "outputs": outputs, "capture_seconds": capture_seconds(engines[label][1]),
-                         "tau": None if taus[0] is None else sum(taus) / len(taus)}
+                         "tau": pooled_tau(outputs, taus)}
     return result
 
 
