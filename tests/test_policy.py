@@ -16,7 +16,7 @@ import torch
 from flashtree import LLM, EngineConfig, LLMEngine, SamplingParams
 from flashtree.engine import cost_cache, cost_model
 from flashtree.engine.cost_model import Grid
-from flashtree.engine.policy import (BASE, FORGET, PROBE, PROBE_TOKENS, REUSE, SCOUT, SETTLE_ROUNDS, SETTLE_ROWS,
+from flashtree.engine.policy import (BASE, FORGET, HOLD, PROBE, PROBE_TOKENS, REUSE, SCOUT, SETTLE_ROUNDS, SETTLE_ROWS,
                                      Policy, by_size, sampling_class)
 from flashtree.engine.round_plan import AR, CHAIN, RoundPlan, fixed_plan
 from flashtree.engine.runner import path_codes
@@ -330,6 +330,28 @@ def test_a_request_held_on_ar_steps_drafts_again_as_its_own_evidence_fades():
     assert not plan.explored and plan.modes == [CHAIN]
     assert 0 < longest <= FORGET
     assert len(req[0].output_ids) > tokens + FORGET // 2  # the hard stretch did hold it a while
+
+
+def test_ar_steps_are_decided_further_ahead_where_the_class_would_not_draft_either():
+    """Where even its class's estimate would not draft, a held request's fading evidence cannot bring it
+    back, so AR steps are decided HOLD rounds ahead, not FORGET (each plan is a visible share of an AR
+    step); a class whose chain pays still holds a request its own hard stretch sent to AR steps at most
+    FORGET rounds."""
+    for accept, longer in ((0.0, True), (0.95, False)):
+        policy = Policy(synthetic_cost(1e-4, draft=0.03), 16, 16, 64, 4096)
+        _requests_in_turn(policy, 40, accept=accept, rounds=20)
+        req = _requests(1, tokens=64)
+        req[0].params = SamplingParams(max_tokens=4096)
+        for _ in range(40):
+            plan = _replan(policy, req)
+            if not plan.drafting:
+                break
+            _feed(policy, plan, req, accept=0.0)
+            req[0].output_ids.append(5)
+        for st in policy.classes.values():
+            st.credit = -1.0  # no exploration
+        assert _replan(policy, req).drafting == 0
+        assert policy.hold[1] == (HOLD if longer else FORGET) and HOLD > FORGET, accept
 
 
 def test_a_lone_requests_drafting_plan_is_played_for_its_next_round_too():
