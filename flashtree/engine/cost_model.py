@@ -86,9 +86,10 @@ class Grid:
         return cls(d["xs"], d["ys"], d["values"], tuple(d.get("monotone", (0, 1))))
 
 
-def kind(drafting, tree_rows) -> int:
-    """The overhead column of a round: AR steps 0, the chain 1, a tree 2 (drafting, tree_rows may be arrays)."""
-    return (2 if np.any(tree_rows) else 1) if np.any(drafting) else 0
+def kind(drafting, tree_rows):
+    """The overhead column of a round: AR steps 0, the chain 1, a tree 2 (elementwise where drafting,
+    tree_rows are arrays)."""
+    return np.where(np.asarray(drafting) > 0, np.where(np.asarray(tree_rows) > 0, 2, 1), 0)
 
 
 def row_points(max_rows: int) -> list[int]:
@@ -119,26 +120,26 @@ class CostModel:
         self.replays: dict[tuple[int, int, bool], float] = {}  # captured rounds' seconds by (bucket, window, tree)
         self.bucket: Callable[[int], int] | None = None  # ... and the batch bucket `rows` run as there
 
-    def round_seconds(self, rows: int, window: int, drafting: int | np.ndarray, depth: int,
-                      tree_rows: int | np.ndarray, budget: int, keys: int = CONTEXT, sampled: int = 0):
-        """A plan's seconds (an array over drafting rows where `drafting` is one)."""
-        verify, draft, noise = self.extra(rows, window, drafting, keys, sampled, min(window, depth + 1))
-        if self.replays:  # a captured round's time is its replay's, whoever drafts
-            t = self.replays[self.bucket(rows), window, budget > 0] + noise + np.zeros(np.shape(drafting))
+    def round_seconds(self, rows: int, window, drafting, depth, tree_rows, budget, keys: int = CONTEXT,
+                      sampled: int = 0):
+        """A plan's seconds; numpy arrays broadcast (the policy prices every arm at every count of
+        drafting rows in one call: [arms, 1] plans against [1, rows] drafting rows)."""
+        verify, draft, noise = self.extra(rows, window, drafting, keys, sampled, np.minimum(window, depth + 1))
+        if self.replays:  # a captured round's time is its replay's, whoever drafts (inf: no graph plays it)
+            bucket = self.bucket(rows)
+            replay = np.vectorize(lambda w, b: self.replays.get((bucket, int(w), bool(b > 0)), np.inf))(window, budget)
+            t = replay + noise + np.zeros(np.shape(drafting))
             return np.maximum(t + verify + draft, 0.5 * t) * self.scale
         t = self.staged(rows, window, drafting, depth, tree_rows, budget)
-        t = t + float(self.overhead(rows, kind(drafting, tree_rows))) + noise
+        t = t + self.overhead(rows, kind(drafting, tree_rows)) + noise
         return np.maximum(t + verify + draft, 0.5 * t) * self.scale
 
-    def staged(self, rows: int, window: int, drafting, depth: int, tree_rows, budget: int):
-        """The stage tables' part of a plan's seconds: verify, drafter pass, tree build (drafting and
-        tree_rows may be arrays, one table row at once); what whole rounds take past it is `overhead`."""
-        t = float(self.verify(rows, window))
-        if np.any(drafting):
-            t = t + self.draft(drafting, depth)
-            if np.any(tree_rows):
-                t = t + self.tree(tree_rows, budget)
-        return t
+    def staged(self, rows: int, window, drafting, depth, tree_rows, budget):
+        """The stage tables' part of a plan's seconds: verify, drafter pass (where drafting), tree build
+        (where tree_rows); numpy arrays broadcast. What whole rounds take past it is `overhead`."""
+        t = self.verify(rows, window)
+        t = t + np.where(np.asarray(drafting) > 0, self.draft(drafting, depth), 0.0)
+        return t + np.where((np.asarray(drafting) > 0) & (np.asarray(tree_rows) > 0), self.tree(tree_rows, budget), 0.0)
 
     def extra(self, rows, window, drafting, keys: int = CONTEXT, sampled: int = 0, positions=1) -> tuple:
         """What the tables (greedy, CONTEXT keys deep) leave out: (verify, drafter pass) seconds of `keys`

@@ -190,8 +190,8 @@ class Policy:
 
     def _table(self, rows: int, arms: bool = True) -> np.ndarray:
         """[arms + 1, rows + 1] from the cost model's tables (greedy, CONTEXT keys deep), AR's last at
-        k = 0; rebuilt every 16 refinements, one array call per arm, the arms' rows only once asked
-        for (AR's cell alone costs a fortieth: a batch of plain requests asks for nothing else)."""
+        k = 0; rebuilt every 16 refinements in one array call, the arms' rows only once asked for (AR's
+        cell alone costs a fortieth: a batch of plain requests asks for nothing else)."""
         c, key = self.cost, self.cost.refined // 16
         if self._tables.get(rows, (None,))[0] != key:
             table = np.full((self.chain_arm + 2, rows + 1), np.inf)
@@ -199,11 +199,12 @@ class Policy:
             self._tables[rows] = (key, table, False)
         key, table, priced = self._tables[rows]
         if arms and not priced:
+            plans = [self.arm_plan(arm, rows) for arm in range(self.chain_arm + 1)]
+            window, depth, budget, tree = (np.array([[getattr(p, f)] for p in plans])
+                                           for f in ("window", "depth", "budget", "tree_rows"))
             k = np.arange(1, rows + 1)
-            for arm in range(self.chain_arm + 1):
-                p = self.arm_plan(arm, rows)
-                if p.window <= self.max_round_tokens // rows:
-                    table[arm, 1:] = c.round_seconds(rows, p.window, k, p.depth, k if p.tree_rows else 0, p.budget)
+            seconds = c.round_seconds(rows, window, k, depth, k * (tree > 0), budget)
+            table[:-1, 1:] = np.where(window <= self.max_round_tokens // rows, seconds, np.inf)
             self._tables[rows] = (key, table, True)
         return table
 
