@@ -7,6 +7,7 @@ it relies on: cut and per-row builds equal smaller builds, placed rows keep thei
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -1059,6 +1060,32 @@ def test_tables_timed_on_a_busy_cpu_are_used_but_not_cached(pair, tmp_path, monk
     quiet = LLMEngine(EngineConfig(**cfg)).runner
     assert quiet.policy.cost.source == "measured" and quiet.cost_path.is_file()
     assert cost_model.measurements == before + 2
+
+def test_refinements_learned_on_a_busy_cpu_are_not_saved(pair, tmp_path, monkeypatch):
+    """After SAVE_AFTER refinements the engine rewrites the cost cache with what it learned, but not
+    when its timed rounds had the CPU for less than QUIET of their wall time: they priced another
+    job's load, which every later start would then plan by."""
+    from flashtree.engine import runner as runner_module
+
+    monkeypatch.setattr(cost_cache, "QUIET", 0.0)  # start-up's tables are cached whatever the machine runs
+    monkeypatch.setattr(runner_module, "SAVE_AFTER", 2)
+    target, drafter = pair
+    cfg = dict(target=str(target), drafter=str(drafter), device="cpu", max_model_len=256, max_budget=16,
+               max_batch=1, cost_cache=str(tmp_path / "cache"))
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    process_time = time.process_time
+    for busy in (True, False):
+        monkeypatch.setattr(runner_module, "QUIET", 0.8 if busy else 0.0)
+        llm = LLM(**cfg)
+        runner = llm.engine.runner
+        written = runner.cost_path.read_text()
+        if busy:  # no CPU time passes while the rounds run
+            monkeypatch.setattr(runner_module.time, "process_time", lambda: 0.0)
+        llm.generate([[1, 2, 3]] * 6, params)
+        monkeypatch.setattr(runner_module.time, "process_time", process_time)
+        assert runner.policy.cost.refined >= 2
+        assert (runner.cost_path.read_text() == written) == busy
+
 
 def test_startup_prices_whole_rounds_by_their_excess_over_the_stage_tables(pair, monkeypatch):
     """A fresh engine times AR steps, the chain and a 16-node tree as whole rounds at every row point,

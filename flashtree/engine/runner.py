@@ -24,7 +24,7 @@ from torch import Tensor
 
 from flashtree.config import EngineConfig
 from flashtree.cache import RecurrentState, SlidingDraftCache
-from flashtree.engine.cost_cache import save, startup
+from flashtree.engine.cost_cache import QUIET, save, startup
 from flashtree.engine.cost_model import CONTEXT, DEFAULT_SECONDS, CostModel, Grid, Timer
 from flashtree.engine.draft_context import DeferredContext
 from flashtree.engine.graphs import RoundGraphs
@@ -186,6 +186,7 @@ class ModelRunner:
         self.last_plan: RoundPlan | None = None
         self._draft_pass = 0.0
         self._last_end: float | None = None  # when the previous round returned (the engine's time between counts)
+        self._timed = [0.0, 0.0]  # timed rounds' wall and CPU seconds: refinements learned on a busy CPU are not saved
         self.plain = [False] * slots  # per slot: its request never drafts, so its drafter rows are empty
         self.provisional: set[int] = set()  # slots seated speculative before their class settled: judged again
         self.prompt_logits: dict[int, Tensor] = {}  # slot -> its complete prompt's last logits, until start_samples
@@ -440,7 +441,7 @@ class ModelRunner:
     def step(self, reqs: list[Request]) -> tuple[list[list[int]], dict[str, float], list[list[TokenLogprob] | None]]:
         """One round for every request in `reqs`: each one's emitted tokens, the stage times, and
         the emitted tokens' logprobs for requests that keep them (else None)."""
-        t0 = time.perf_counter()
+        start = time.perf_counter(), time.process_time()
         self.clock.seconds = {}
         if self.graphs is not None:
             return self.step_captured(reqs)
@@ -453,7 +454,7 @@ class ModelRunner:
         emitted, logprobs, (counts, held, paths) = self.run_round(reqs, plan, real)
         self.last_plan = plan
         if self.policy is not None:
-            self.time_round(plan, reqs, counts, t0, held, paths)
+            self.time_round(plan, reqs, counts, start, held, paths)
         return emitted, dict(self.clock.seconds), logprobs
 
     def run_round(self, reqs: list[Request], plan: RoundPlan, real: int
@@ -495,15 +496,19 @@ class ModelRunner:
                 self.mtp.accept(batch, spec, walk.path, out.features, counts)
         return emitted, logprobs, (counts, held, paths)
 
-    def time_round(self, plan: RoundPlan, reqs: list[Request], counts: list[int], t0: float,
+    def time_round(self, plan: RoundPlan, reqs: list[Request], counts: list[int], start: tuple[float, float],
                    held: tuple[float, int], paths: list[list[int]] | None) -> None:
         """A round's cost includes the engine's work between rounds (emitting, scheduling):
         throughput is tokens over wall time. A long gap is an idle engine, not work. Plain AR
-        rounds teach only their time, and a sample of them keeps it current."""
+        rounds teach only their time, and a sample of them keeps it current. start: the round's
+        wall and process CPU clocks when it began."""
         end = time.perf_counter()
         if timed(plan, self.policy.rounds):
+            t0 = start[0]
             gap = t0 - self._last_end if self._last_end is not None else 0.0
             seconds = end - t0 + (gap if gap < 0.5 * (end - t0) else 0.0)
+            self._timed[0] += end - t0
+            self._timed[1] += time.process_time() - start[1]
             self.learn(plan, [r.slot for r in reqs], counts, seconds, held, paths)
         self._last_end = time.perf_counter()
 
@@ -561,7 +566,7 @@ class ModelRunner:
                       ) -> tuple[list[list[int]], dict[str, float], list[list[TokenLogprob] | None]]:
         """One round replayed from the captured ones: inputs into static buffers, the sampler
         between the two pieces, one host read, then the host's lengths."""
-        t0, real = time.perf_counter(), len(reqs)
+        start, real = (time.perf_counter(), time.process_time()), len(reqs)
         plan = self.policy.plan(reqs) if self.policy is not None else None
         reqs = reqs + self.pads[: batch_bucket(real) - real]
         slots = [r.slot for r in reqs]
@@ -597,7 +602,7 @@ class ModelRunner:
             self.last_plan = self.fixed_round_plan(len(reqs), real)
             return emitted, dict(self.clock.seconds), logprobs
         self.last_plan = plan
-        self.time_round(plan, reqs[:real], counts, t0, (0.0, 0), paths)
+        self.time_round(plan, reqs[:real], counts, start, (0.0, 0), paths)
         return emitted, dict(self.clock.seconds), logprobs
 
     # ---- the plan: who drafts, and how ----------------------------------------------------
@@ -703,8 +708,13 @@ class ModelRunner:
         cost.refine(len(slots), plan.window, plan.drafting, plan.depth, plan.tree_rows, plan.budget,
                     stages if self.timed_stages and self.graphs is None else None, seconds, keys=plan.keys,
                     sampled=plan.sampled)
-        if cost.refined == SAVE_AFTER:  # keep what this run learned for the next start
+        if cost.refined == SAVE_AFTER and self.quiet():  # keep what this run learned for the next start
             save(self.cost_path, self.cost_key, cost)
+
+    def quiet(self) -> bool:
+        """Whether the timed rounds had the CPU for at least QUIET of their wall time, as start-up
+        asks of its tables: refinements learned beside another job would price every later start."""
+        return self.device.type != "cpu" or self._timed[1] >= QUIET * self._timed[0]
 
     def round_logprobs(self, logits: Tensor, path: Tensor, tokens: Tensor, reqs: list[Request],
                        sampling: SamplingBatch) -> Tensor | None:
