@@ -37,7 +37,7 @@ EXPLORE, PROBE = 0.05, 0.01  # exploration credit: of the time drafting saved, a
 FACTOR_RATE = 0.1  # EMA weight of a timed round in its arm's cost factor
 FORGET = 8  # output tokens over which a request's own evidence halves (its acceptance drifts), and the most
 # rounds AR steps are decided ahead: by then a held request's estimate has moved halfway back to its class's
-HOLD = 32  # ... unless its class's estimate would not draft either: then nothing but a probe or exploration can
+HOLD = 32  # ... or this many where its class's estimate would not draft either, so fading cannot end the AR steps
 PROBE_TOKENS = 8  # a request's tokens before a probe (its first rounds keep little at T = 0)
 RECENT = 8  # requests whose own levels a class keeps: a new one is seated plain only if none would draft
 SCOUT = 8  # requests seated while their class is settled on AR steps: one in this many may draft
