@@ -1061,6 +1061,7 @@ def test_tables_timed_on_a_busy_cpu_are_used_but_not_cached(pair, tmp_path, monk
     assert quiet.policy.cost.source == "measured" and quiet.cost_path.is_file()
     assert cost_model.measurements == before + 2
 
+
 def test_refinements_learned_on_a_busy_cpu_are_not_saved(pair, tmp_path, monkeypatch):
     """After SAVE_AFTER refinements the engine rewrites the cost cache with what it learned, but not
     when its timed rounds had the CPU for less than QUIET of their wall time: they priced another
