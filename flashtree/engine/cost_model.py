@@ -120,6 +120,11 @@ class CostModel:
         self.replays: dict[tuple[int, int, bool], float] = {}  # captured rounds' seconds by (bucket, window, tree)
         self.bucket: Callable[[int], int] | None = None  # ... and the batch bucket `rows` run as there
 
+    def replayed(self, replays: dict[tuple[int, int, bool], float], bucket: Callable[[int], int]) -> None:
+        """Price plans by captured rounds' replays from now on: their seconds by (batch bucket, window,
+        tree), and the bucket a batch of `rows` runs as."""
+        self.replays, self.bucket = replays, bucket
+
     def round_seconds(self, rows: int, window, drafting, depth, tree_rows, budget, keys: int = CONTEXT,
                       sampled: int = 0):
         """A plan's seconds; numpy arrays broadcast (the policy prices every arm at every count of

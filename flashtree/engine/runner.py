@@ -198,8 +198,7 @@ class ModelRunner:
             self.graphs = RoundGraphs(self, buckets, keys, dummy=config.max_batch, progress=progress)
             if self.policy is not None:
                 start = min(CONTEXT, self.cache.max_len - self.max_window - 1)
-                self.policy.cost.replays = self.graphs.timed(self, start, dummy=config.max_batch)
-                self.policy.cost.bucket = batch_bucket
+                self.policy.cost.replayed(self.graphs.timed(self, start, dummy=config.max_batch), batch_bucket)
         elif self.policy is not None and self.policy.cost.source == "measured":
             self.time_rounds(self.policy.cost)
             save(self.cost_path, self.cost_key, self.policy.cost)
