@@ -31,6 +31,10 @@ one read. It checks and times:
    (benchmarks/data/demo_traces.npz) against ar, dflash and ddtree B = 8, 16, 32 at T = 0 and 0.7,
    each round priced by the cost model an 8B-shaped auto engine (bf16, batch up to 16, eager)
    measures on this device at start-up.
+8. decode attention whose graph does not depend on the key length, with the time left: one layer at
+   the 8B head shape (bf16), FlexAttention over the whole cache (each row reading only its slot's
+   blocks) against the captured rounds' gathered SDPA at the key bucket, AR steps and trees, batch 1
+   and 8 (flashtree/bench/flex_decode.py): whether captured rounds can drop key buckets.
 
     python benchmarks/gpu_check.py --out /tmp/gpu_check      # -> gpu_check.json + gpu_check.md
 
@@ -519,6 +523,37 @@ def policy_sim_checks(deadline: Deadline, report: dict, workdir: Path) -> None:
 # ---- the report ---------------------------------------------------------------------------------------
 
 
+def flex_decode_checks(deadline: Deadline, report: dict, shrunk: bool) -> None:
+    """Section 8: Flex over the whole cache against the gathered SDPA, while the deadline allows (the
+    Flex kernel compiles per shape)."""
+    from flashtree.bench.flex_decode import time_flex_decode
+
+    h, hkv, hd = QWEN3_8B["num_attention_heads"], QWEN3_8B["num_key_value_heads"], QWEN3_8B["head_dim"]
+    short, long_ = (256, 1024) if shrunk else (1024, 32768)
+    mixed = [long_ // 2 ** i for i in range(8)]  # a batch of 8 at different lengths
+    plan = [([c], n) for c in (short, long_) for n in (1, 64)] + [(mixed, n) for n in (1, 16)]
+    max_len = long_ + 512
+    rows = []
+    for lengths, nodes in plan:
+        if deadline.left < 90:
+            rows.append({"lengths": lengths, "nodes": nodes, "skipped": "out of time"})
+            continue
+        try:
+            rows.append(time_flex_decode(torch.device(DEVICE), torch.bfloat16, h, hkv, hd, lengths, nodes, max_len,
+                                         repeats=5 if shrunk else 20))
+        except Exception as e:  # a failure is a result here: record it and go on
+            rows.append({"lengths": lengths, "nodes": nodes, "error": f"{type(e).__name__}: {e}"[:300]})
+    report["flex_decode"] = rows
+
+
+def flex_decode_table(rows: list[dict]) -> list[str]:
+    return md_table(["rows", "longest keys", "nodes", "key bucket", "gathered SDPA ms", "Flex ms", "Flex / SDPA",
+                     "max diff"], rows,
+                    lambda r: [str(len(r["lengths"])), str(max(r["lengths"])), str(r["nodes"])], "flex_ms",
+                    lambda r: [str(r["key_len"]), f"{r['gathered_ms']:.3f}", f"{r['flex_ms']:.3f}",
+                               f"{r['flex_ms'] / r['gathered_ms']:.2f}", f"{r['max_abs_diff']:.1e}"])
+
+
 def markdown(report: dict) -> str:
     where = "GPU-measured" if DEVICE == "cuda" else "a CPU smoke test: these are not GPU numbers"
     lines = [f"# GPU check ({report['device']}, torch {report['torch']}; {where})", ""]
@@ -555,6 +590,9 @@ def markdown(report: dict) -> str:
                   f"measured in {sim['cost_model_seconds']:.0f} s)", ""] + sim_table(sim["rows"])
     elif "policy_sim_error" in report:
         lines.append(f"\nauto at the 8B shape not simulated: {report['policy_sim_error']}")
+    if report.get("flex_decode"):
+        lines += ["", "## Decode attention without key buckets, one layer (bf16, 8B heads): gathered SDPA at the "
+                  "key bucket vs Flex over the whole cache", ""] + flex_decode_table(report["flex_decode"])
     v = report.get("vllm")
     if v is not None:
         lines += ["", "## vLLM on the device", ""]
@@ -600,6 +638,7 @@ def main() -> None:
             vllm_checks(deadline, report)
             if not args.skip_grid:
                 policy_grid_checks(deadline, report)
+            flex_decode_checks(deadline, report, args.shrink_8b or DEVICE == "cpu")
     finally:
         report["seconds"] = args.budget_seconds - deadline.left
         (out / "gpu_check.json").write_text(json.dumps(report, indent=2))

@@ -497,3 +497,16 @@ def test_policy_sim_tells_the_policy_what_a_played_tree_round_would():
             assert censored == real_censored or (real_censored and counts[-1] == trace[n][-3]), (budget, n)
             cut += run < trace[n][-3]
     assert cut > 0  # small trees' spines did end first
+
+
+def test_flex_over_the_whole_cache_attends_as_the_gathered_sdpa_does():
+    """gpu_check's section 8 compares two decode attentions: FlexAttention over a layer's whole cache,
+    each row reading only its own slot's blocks, and the captured rounds' gathered SDPA at the key
+    bucket. They must compute the same thing for AR steps and trees, rows on scattered slots at
+    lengths on both sides of a key block, or the timing compares nothing."""
+    from flashtree.bench.flex_decode import time_flex_decode
+
+    for nodes in (1, 7):
+        r = time_flex_decode(torch.device("cpu"), torch.float32, 4, 2, 16, [5, 127, 128, 300], nodes, 512,
+                             compiled=False, repeats=1)
+        assert r["max_abs_diff"] < 1e-5, nodes
