@@ -668,6 +668,23 @@ def pair(tmp_path_factory):
     return target, make_drafter(root / "d", target_layers=4, vocab=16, block_size=8)
 
 
+def test_every_ar_step_counts_toward_its_class_settling(pair):
+    """The engine observes one AR round in AR_TIMED_EVERY (observing them all cost a visible share of
+    an AR step), and each one it observes counts for that many rounds of its class: a class its plans
+    keep on AR steps settles after SETTLE_ROUNDS rounds, not four times as many, after which a short
+    workload's new requests are seated plain instead of keeping the drafter's context on every step."""
+    from flashtree.engine.runner import AR_TIMED_EVERY
+
+    target, drafter = pair
+    llm = LLM(str(target), str(drafter), device="cpu", max_model_len=256, max_batch=1, max_budget=16)
+    policy = llm.engine.runner.policy
+    policy.cost = synthetic_cost(2e-2, draft=0.2, rows=2)  # a chain round costs ~10 AR steps: AR steps only
+    policy.cost.frozen = True
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=64, ignore_eos=True))[0]
+    assert set(out.stats.modes) == {"ar"}
+    assert out.stats.rounds - AR_TIMED_EVERY <= policy.classes[0].round <= out.stats.rounds + AR_TIMED_EVERY
+
+
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_auto_is_lossless(pair, batch):
     """Greedy output under the policy equals AR's at several batch sizes (whatever it chose)."""

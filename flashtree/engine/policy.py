@@ -375,9 +375,10 @@ class Policy:
         return table[arm, len(gains)] - (R + gains[:, arm].sum()) / rate - min(self._stats(c).credit for c in classes)
 
     def observe(self, plan: RoundPlan, slots: list[int], accepted: list[int], measured: list | None,
-                seconds: float) -> None:
+                seconds: float, rounds: int = 1) -> None:
         """Fold in a round: per row its accepted drafted tokens, per drafting row of a tree round
-        by_size's (accepted per size, spine run, chain unmeasured), and the round's wall seconds."""
+        by_size's (accepted per size, spine run, chain unmeasured), and the round's wall seconds; it
+        stands for `rounds` rounds of its classes (the runner observes a sample of AR rounds)."""
         R = len(slots)
         ar_seconds = self.ar_seconds(R, plan.keys, plan.sampled)
         if self.cost.frozen:  # tensor parallel: every rank plans alike, so none uses its own clock
@@ -419,7 +420,7 @@ class Policy:
         for c in {self.cls[s] for s in slots}:
             for st in (self._stats(c), self._stats(-1 - c)):
                 st.credit += credit
-                st.round += 1
+                st.round += rounds
 
     def settled(self, params: SamplingParams) -> bool:
         """Whether the class is measured enough to seat its requests plain: SETTLE_ROWS rows (its

@@ -698,7 +698,8 @@ class ModelRunner:
         measured = [by_size(paths[i], self.policy.grid[: plan.measure]) for i in plan.draft_rows] \
             if plan.measure else None
         seconds -= held[0]
-        self.policy.observe(plan, slots, [c - 1 for c in counts], measured, seconds)
+        self.policy.observe(plan, slots, [c - 1 for c in counts], measured, seconds,
+                            1 if plan.drafting else AR_TIMED_EVERY)
         if self.policy.rounds % (DRAFT_REFINE_EVERY if plan.drafting else AR_REFINE_EVERY):
             return  # a sample of the rounds keeps the model current
         s = self.clock.seconds
