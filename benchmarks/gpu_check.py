@@ -521,7 +521,7 @@ def policy_sim_checks(deadline: Deadline, report: dict, workdir: Path) -> None:
         report["policy_sim_error"] = f"{type(e).__name__}: {e}"
 
 
-# ---- the report ---------------------------------------------------------------------------------------
+# ---- 8: decode attention without key buckets ------------------------------------------------------
 
 
 def flex_decode_checks(deadline: Deadline, report: dict, shrunk: bool) -> None:
@@ -545,6 +545,9 @@ def flex_decode_checks(deadline: Deadline, report: dict, shrunk: bool) -> None:
         except Exception as e:  # a failure is a result here: record it and go on
             rows.append({"lengths": lengths, "nodes": nodes, "error": f"{type(e).__name__}: {e}"[:300]})
     report["flex_decode"] = rows
+
+
+# ---- the report ---------------------------------------------------------------------------------------
 
 
 def flex_decode_table(rows: list[dict]) -> list[str]:
