@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashtree.bench.tree_attention import _timed, random_ancestors
+from flashtree.bench.tree_attention import median_ms, random_ancestors
 from flashtree.engine.shapes import key_bucket
 
 BLOCK = 128  # FlexAttention's key block: a slot's length is a multiple of it
@@ -104,6 +104,6 @@ def time_flex_decode(device: torch.device, dtype: torch.dtype, heads: int, kv_he
     old = lambda: gathered_decode(q, cache_k, cache_v, slots, starts, seen, key_len, scale)  # noqa: E731
     new = lambda: flex_decode(flex, q, cache_k, cache_v, mask, scale)  # noqa: E731
     diff = float((old().float() - new().float()).abs().max())
-    old_ms, new_ms = _timed([old, new], device, repeats)
+    old_ms, new_ms = median_ms([old, new], device, repeats)
     return {"lengths": list(lengths), "nodes": nodes, "key_len": key_len, "gathered_ms": old_ms, "flex_ms": new_ms,
             "max_abs_diff": diff}

@@ -29,7 +29,7 @@ def random_ancestors(rows: int, n: int, device: torch.device, gen: torch.Generat
     return tree_ancestor_mask(ancestor_table(spec), depths).to(device)
 
 
-def _timed(fns: list[Callable[[], object]], device: torch.device, repeats: int) -> list[float]:
+def median_ms(fns: list[Callable[[], object]], device: torch.device, repeats: int) -> list[float]:
     """Median milliseconds of each fn after two warm-ups, the fns called in turn at every repeat so
     that a shared machine's drift hits them alike."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -87,7 +87,7 @@ def time_tree_attention(device: torch.device, dtype: torch.dtype, heads: int, kv
         return tree_attention(q, k_win, v_win, keys[:, :, :p], values[:, :, :p], parts, scale)
 
     diff = (old().float() - new().float()).abs().max().item()
-    old_ms, new_ms = _timed([old, new], device, repeats)
-    old_mask_ms, new_mask_ms = _timed([old_mask, new_mask], device, repeats)
+    old_ms, new_ms = median_ms([old, new], device, repeats)
+    old_mask_ms, new_mask_ms = median_ms([old_mask, new_mask], device, repeats)
     return {"context": context, "nodes": nodes, "rows": rows, "uneven": uneven, "old_layer_ms": old_ms,
             "new_layer_ms": new_ms, "old_mask_ms": old_mask_ms, "new_mask_ms": new_mask_ms, "max_abs_diff": diff}

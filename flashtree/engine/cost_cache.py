@@ -23,6 +23,12 @@ from flashtree.engine.cost_model import DEFAULT_SECONDS, FORMAT, CostModel, meas
 QUIET = 0.8
 
 
+def quiet(device: torch.device, cpu_seconds: float, wall_seconds: float) -> bool:
+    """Whether timings taken over `wall_seconds` may be cached: off the CPU always; on it, only if the
+    process had its core for QUIET of that time (else they priced another job's load)."""
+    return device.type != "cpu" or cpu_seconds >= QUIET * wall_seconds
+
+
 def cache_dir(setting: str | None) -> Path | None:
     """EngineConfig.cost_cache: a directory, "off" (no disk cache), or None: $FLASHTREE_CACHE_DIR,
     else $XDG_CACHE_HOME/flashtree, else ~/.cache/flashtree."""
@@ -101,7 +107,7 @@ def startup(target, drafter, passes: tuple[Callable, Callable], cache, draft_cac
               f"threads{where})...", end="", file=sys.stderr, flush=True)
     wall, cpu = time.perf_counter(), time.process_time()
     model = measure(target, drafter, passes, cache, draft_cache, max_rows, max_window, max_budget, seconds)
-    busy = cache.device.type == "cpu" and time.process_time() - cpu < QUIET * (time.perf_counter() - wall)
+    busy = not quiet(cache.device, time.process_time() - cpu, time.perf_counter() - wall)
     if loud:
         note = "; the CPU was busy with other work, so not cached (measured again next start)" if busy else ""
         print(f" {model.seconds:.1f} s{note}", file=sys.stderr, flush=True)

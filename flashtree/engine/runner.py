@@ -24,7 +24,7 @@ from torch import Tensor
 
 from flashtree.config import EngineConfig
 from flashtree.cache import RecurrentState, SlidingDraftCache
-from flashtree.engine.cost_cache import QUIET, save, startup
+from flashtree.engine.cost_cache import quiet, save, startup
 from flashtree.engine.cost_model import CONTEXT, DEFAULT_SECONDS, CostModel, Grid, Timer
 from flashtree.engine.draft_context import DeferredContext
 from flashtree.engine.graphs import RoundGraphs
@@ -708,13 +708,10 @@ class ModelRunner:
         cost.refine(len(slots), plan.window, plan.drafting, plan.depth, plan.tree_rows, plan.budget,
                     stages if self.timed_stages and self.graphs is None else None, seconds, keys=plan.keys,
                     sampled=plan.sampled)
-        if cost.refined == SAVE_AFTER and self.quiet():  # keep what this run learned for the next start
+        # Keep what this run learned for the next start, under start-up's rule over the timed rounds:
+        # refinements learned beside another job would price every later start.
+        if cost.refined == SAVE_AFTER and quiet(self.device, self._timed[1], self._timed[0]):
             save(self.cost_path, self.cost_key, cost)
-
-    def quiet(self) -> bool:
-        """Whether the timed rounds had the CPU for at least QUIET of their wall time, as start-up
-        asks of its tables: refinements learned beside another job would price every later start."""
-        return self.device.type != "cpu" or self._timed[1] >= QUIET * self._timed[0]
 
     def round_logprobs(self, logits: Tensor, path: Tensor, tokens: Tensor, reqs: list[Request],
                        sampling: SamplingBatch) -> Tensor | None:
