@@ -6,7 +6,8 @@ both import side by side, torch.library namespace included).
 Per (temperature, batch, fill) cell it runs `ar` and the label from this tree, and the label from
 `--rev`, on the same requests (policy_heldout's prompts and lengths, seeded), interleaved as
 policy_heldout.py does, rated by each engine's own CPU seconds (wall seconds on a GPU), all passes
-together; new / old is the change's ratio, new / ar and old / ar put it in context.
+together; new / old is the change's ratio, new / ar and old / ar put it in context. Both price rounds
+from one cost table measured afresh for the run.
 
     OMP_NUM_THREADS=1 taskset -c 0 python benchmarks/ab_revision.py --rev f69c3fc~1 \\
         --packages websockets prometheus_client httpcore pluggy markupsafe --temperatures 0 --batches 8 16
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -50,12 +52,12 @@ def old_package(rev: str, into: Path):
     return importlib.import_module(name)
 
 
-def engine(package, label: str, batch: int, base=None):
+def engine(package, label: str, batch: int, base=None, drafter: str | None = None):
     """policy_heldout.engine's configuration, built by `package` (this tree's flashtree or the old one)."""
     method, budget = ("ddtree", "auto") if label == "auto" else (label, 64)
     if label.startswith("ddtree-"):
         method, budget = "ddtree", int(label.split("-")[1])
-    config = package.EngineConfig(method=method, budget=budget, max_budget=64, max_batch=batch, max_model_len=1024,
+    config = package.EngineConfig(drafter=drafter, method=method, budget=budget, max_budget=64, max_batch=batch, max_model_len=1024,
                                   prefix_cache=False)
     return package.LLMEngine(config, share_weights=base)
 
@@ -69,9 +71,13 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--shapes", nargs="+", default=["at-once"], choices=["at-once", "gradual"])
     ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--drafter", default=None, help="a drafter directory (default: the shipped DFlash2 demo drafter)")
     args = ap.parse_args()
     texts = H.heldout_prompts(64, packages=tuple(args.packages))
     with tempfile.TemporaryDirectory() as tmp:
+        # One fresh cost cache for both (the old code reads the same variable): the user's, refined by
+        # earlier runs beside other jobs, would price the two differently.
+        os.environ["FLASHTREE_CACHE_DIR"] = str(Path(tmp) / "costs")
         old = old_package(args.rev, Path(tmp))
         import flashtree
 
@@ -85,8 +91,8 @@ def main() -> None:
                     spec = [dict(temperature=t, max_tokens=H.LENGTHS[i % len(H.LENGTHS)], ignore_eos=True,
                                  seed=1000 + i) for i in range(n)]
                     runs = {"ar": (engine(flashtree, "ar", b, base), SamplingParams),
-                            "new": (engine(flashtree, args.label, b, base), SamplingParams),
-                            "old": (engine(old, args.label, b, old_base), old.SamplingParams)}
+                            "new": (engine(flashtree, args.label, b, base, args.drafter), SamplingParams),
+                            "old": (engine(old, args.label, b, old_base, args.drafter), old.SamplingParams)}
                     cells = {k: GridCell(t, b, k) for k in runs}
                     clock = time.perf_counter if base.device.type == "cuda" else time.process_time
                     for p in range(args.passes):

@@ -460,6 +460,7 @@ def test_a_tree_is_judged_against_the_chain_at_the_rows_level():
     policy.plan(low + high)  # seats them
     plan = policy.arm_plan(policy.grid.index(16), 2)
     for _ in range(40):
+        policy.plan(low + high)  # a round is planned first: observe teaches each row's level bin as planned
         policy.observe(plan, [0, 1], [6, 13], [early, later], plan.seconds or 0.01)
     for st in policy.classes.values():
         st.credit = 0.0  # no exploration

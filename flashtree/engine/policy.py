@@ -154,6 +154,7 @@ class Policy:
         self.due = np.zeros(slots)  # the output tokens at which a request on AR steps is probed (again)
         self.tokens = np.zeros(slots)  # each request's output tokens when last planned
         self.since = np.zeros(slots)  # ... and when last measured: its own evidence fades with the tokens since
+        self.bins = np.zeros(slots, dtype=int)  # each row's level bin when last planned (observe teaches that bin)
         self.factor = np.ones(len(self.grid) + 2)  # timed / modelled seconds per arm; the last is AR's
         self.rounds = 0
         self.hold: tuple[list[str], int] = ([], 0)  # rounds decided ahead: for this batch, this many rounds ...
@@ -294,15 +295,17 @@ class Policy:
         self.tokens[slots] = [len(reqs[i].output_ids) for i in rows]
         classes = [self._class_of(s) for s in slots]
         own_level, own_run = self._own(slots)
-        gains, known = self.expected(classes, self._levels(slots, classes, own_level), slots, own_run)  # [k, arms]
+        levels = self._levels(slots, classes, own_level)
+        self.bins[slots] = LEVELS.searchsorted(levels, "right")
+        gains, known = self.expected(classes, levels, slots, own_run)  # [k, arms]
         room = [reqs[i].params.max_tokens - len(reqs[i].output_ids) - 1 for i in rows]  # drafted tokens it may keep
         room = np.maximum(np.array(room, dtype=float), 0.0)[:, None]
         gains = np.minimum(gains, room)
         # A tree is played for its rate only once measured; before that, only to explore it.
         arm, k, rate = self._best(np.where(known > 0, gains, 0.0), table, R)
-        baseline = max(rate, ar_rate)
-        explore, short = self._explore(set(classes), gains, known, table, R, baseline)
+        explore, short = self._explore(set(classes), gains, known, table, R, max(rate, ar_rate))
         explored = explore is not None
+        baseline = max(rate, ar_rate) if explored else ar_rate  # the rate of the plan it displaces (observe)
         if explored:
             arm, k = explore, len(rows)
         elif rate <= ar_rate:
@@ -380,27 +383,24 @@ class Policy:
         by_size's (accepted per size, spine run, chain unmeasured), and the round's wall seconds; it
         stands for `rounds` rounds of its classes (the runner observes a sample of AR rounds)."""
         R = len(slots)
-        ar_seconds = self.ar_seconds(R, plan.keys, plan.sampled)
+        priced = plan.seconds or (self.ar_seconds(R, plan.keys, plan.sampled) if plan.arm is None else 0.0)
         if self.cost.frozen:  # tensor parallel: every rank plans alike, so none uses its own clock
-            seconds = plan.seconds or ar_seconds
+            seconds = priced
         arm = -1 if plan.arm is None else plan.arm  # timed / modelled seconds, per arm
-        modelled = (plan.seconds or (ar_seconds if plan.arm is None else 0.0)) / self.factor[arm]
-        if not self.cost.frozen and modelled > 0:
+        if not self.cost.frozen and priced > 0:
+            modelled = priced / self.factor[arm]
             self.factor[arm] += FACTOR_RATE * (min(max(seconds / modelled, 0.5), 2.0) - self.factor[arm])
         if plan.arm is None:
             credit = PROBE * seconds
         else:
-            tokens = R + sum(accepted)
-            # An exploration pays what it lost, as it ran (a thin arm's cost is least known), against the
-            # plan it displaced: the best arm's rate, not AR's, where drafting pays.
-            credit = PROBE * seconds + (min(0.0, tokens / plan.baseline - seconds) if plan.explored
-                                        else EXPLORE * max(0.0, tokens * ar_seconds / R - seconds))
-            drafted = np.array([slots[i] for i in plan.draft_rows])
-            classes = [self._class_of(s) for s in drafted]
-            bins = LEVELS.searchsorted(self._levels(drafted, classes, self._own(drafted)[0]), "right")
-            for n, (s, cls, level) in enumerate(zip(drafted, classes, bins)):
+            # Against the plan it displaced (AR steps; for an exploration, the best arm where drafting pays):
+            # an exploration pays what it lost, as it ran (a thin arm's cost is least known).
+            gain = (R + sum(accepted)) / (plan.baseline or R / self.ar_seconds(R, plan.keys, plan.sampled)) - seconds
+            credit = PROBE * seconds + (min(0.0, gain) if plan.explored else EXPLORE * max(0.0, gain))
+            for n, row in enumerate(plan.draft_rows):
+                s = slots[row]
+                cls, level = self._class_of(s), self.bins[s]  # its level bin when planned
                 st = self._stats(cls)
-                row = plan.draft_rows[n]
                 sampled = (cls if cls >= 0 else -1 - cls) > 0  # an opening's class is -1 - its sampling class
                 if sampled and not plan.explored and plan.predicted[row] > 0:  # a row chosen on its estimate
                     st.calibrate(plan.predicted[row], accepted[row])
