@@ -112,6 +112,24 @@ def test_a_second_model_reuses_the_compiled_graph_with_its_own_weights(pairs, co
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == ref
 
 
+def test_warmed_stacks_check_only_the_guards_that_tell_variants_apart():
+    """Once start-up has compiled every variant, a compiled forward runs with dynamo checking only the
+    guards that tell them apart, and leaves the compiler's stance as it found it; unwarmed, or with
+    autograd on (it was warmed in inference mode), every guard is checked. (The tests above run their
+    compiled rounds this way and give AR's tokens.)"""
+    from torch._dynamo import eval_frame
+
+    from flashtree.models.compiled import run_with
+
+    def skipping(*_):
+        return eval_frame._stance.skip_guard_eval_unsafe
+
+    with torch.inference_mode():
+        assert run_with(skipping, None, warmed=True) and not run_with(skipping, None, warmed=False)
+    assert not run_with(skipping, None, warmed=True)
+    assert not eval_frame._stance.skip_guard_eval_unsafe
+
+
 def test_a_failed_compile_is_one_clear_error(pairs, monkeypatch):
     """Where inductor cannot compile (no C++ compiler, say), compile=True stops with one line that
     names the cause and the way out."""

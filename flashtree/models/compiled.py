@@ -86,10 +86,15 @@ def compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp_wrapper": True, "size_asserts": False})
 
 
-def run_with(fn: Callable, ctx: ForwardContext, *args):
-    """fn(*args) with `ctx` as the opaque ops' context."""
+def run_with(fn: Callable, ctx: ForwardContext, *args, warmed: bool = False):
+    """fn(*args) with `ctx` as the opaque ops' context. Once start-up has compiled every variant
+    (`warmed`; nothing compiles inside a request), dynamo checks only the guards that tell the
+    variants apart: the full check is ~7% of a compiled AR step on the CPU (docs/performance.md)."""
     running.append(ctx)
     try:
+        if warmed and torch.is_inference_mode_enabled():  # as it was warmed: grad mode is one of the guards
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return fn(*args)
         return fn(*args)
     finally:
         running.pop()
@@ -103,13 +108,14 @@ class CompiledStack:
         self.feature_layers = tuple(feature_layers)
         self.index = {k: i for i, k in enumerate(self.feature_layers)}  # layer -> its place in the result
         self.fn = compiled(model.blocks)
+        self.warmed = False  # every variant compiled (compile_stack)
 
     def covers(self, feature_layers: tuple[int, ...]) -> bool:
         return all(k in self.index for k in feature_layers)
 
     def __call__(self, tokens: Tensor, ctx: ForwardContext, feature_layers: tuple[int, ...]
                  ) -> tuple[Tensor, list[Tensor]]:
-        x, features = run_with(self.fn, ctx, tokens, ctx, self.feature_layers)
+        x, features = run_with(self.fn, ctx, tokens, ctx, self.feature_layers, warmed=self.warmed)
         return x, [features[self.index[k]] for k in feature_layers]
 
 
@@ -118,9 +124,10 @@ class CompiledDrafter:
 
     def __init__(self, drafter: DFlashDrafter) -> None:
         self.fn = compiled(drafter.stack)
+        self.warmed = False  # every variant compiled (compile_drafter)
 
     def __call__(self, noise: Tensor, ctx: ForwardContext, masks: list[Tensor]) -> Tensor:
-        return run_with(self.fn, ctx, noise, ctx, masks)
+        return run_with(self.fn, ctx, noise, ctx, masks, warmed=self.warmed)
 
 
 @contextmanager
@@ -165,6 +172,7 @@ def compile_stack(model: DecoderLM, feature_layers: tuple[int, ...], cache, max_
     seconds = warm("target", max_rows, (3, 1), lambda r, n: stack(
         torch.zeros(r, n, dtype=torch.long, device=device),
         ForwardContext.prefill(cache, SlotBatch.of(cache, list(range(r))), n), feature_layers), progress)
+    stack.warmed = True
     model.compiled = stack
     return seconds
 
@@ -186,5 +194,6 @@ def compile_drafter(drafter: DFlashDrafter, cache, max_rows: int, progress: bool
         stack(torch.zeros(r, n, d, dtype=p.dtype, device=p.device), ctx, drafter.masks(ctx, p.dtype))
 
     seconds = warm("drafter", max_rows, (drafter.block_size,), run, progress)
+    stack.warmed = True
     drafter.compiled = stack
     return seconds
