@@ -149,13 +149,14 @@ class DecoderLM(nn.Module):
             x, features = self.blocks(tokens, ctx, feature_layers)
         if last_only:
             x = x[:, -1:]
-        logits = self.lm_head(self.norm(x))
+        logits = self.lm_head(x)
         feats = torch.cat(features, dim=-1) if feature_layers else None
         return ForwardOutput(logits, feats)
 
     def blocks(self, tokens: Tensor, ctx: ForwardContext, feature_layers: tuple[int, ...]
                ) -> tuple[Tensor, list[Tensor]]:
-        """The embeddings and the stack: the last block's output and the features, in order."""
+        """The embeddings, the stack and the final norm (fused into the compiled stack, not one more eager
+        op a forward): the normed last output, and the features (the blocks' outputs) in order."""
         x = self.embed_tokens(tokens)
         rope = self.rotary(ctx.positions, x.dtype)
         features: list[Tensor] = [x] * len(feature_layers)
@@ -164,7 +165,7 @@ class DecoderLM(nn.Module):
             for j, k in enumerate(feature_layers):
                 if k == i:  # one by one, not `i in feature_layers`: dynamo mis-traces that on symbolic ints
                     features[j] = x
-        return x, features
+        return self.norm(x), features
 
 
 class Transformer(DecoderLM):
