@@ -57,8 +57,8 @@ def engine(package, label: str, batch: int, base=None, drafter: str | None = Non
     method, budget = ("ddtree", "auto") if label == "auto" else (label, 64)
     if label.startswith("ddtree-"):
         method, budget = "ddtree", int(label.split("-")[1])
-    config = package.EngineConfig(drafter=drafter, method=method, budget=budget, max_budget=64, max_batch=batch, max_model_len=1024,
-                                  prefix_cache=False)
+    config = package.EngineConfig(drafter=drafter, method=method, budget=budget, max_budget=64, max_batch=batch,
+                                  max_model_len=1024, prefix_cache=False)
     return package.LLMEngine(config, share_weights=base)
 
 
