@@ -12,6 +12,7 @@ more) variants before the first request, and nothing compiles inside one.
 
 from __future__ import annotations
 
+import inspect
 import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable
@@ -86,14 +87,20 @@ def compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=True, fullgraph=True, options={"cpp_wrapper": True, "size_asserts": False})
 
 
+# torch.compiler.set_stance(skip_guard_eval_unsafe=...) where this torch has it (recent ones), else None.
+_set_stance = getattr(torch.compiler, "set_stance", None)
+if _set_stance is not None and "skip_guard_eval_unsafe" not in inspect.signature(_set_stance).parameters:
+    _set_stance = None
+
+
 def run_with(fn: Callable, ctx: ForwardContext, *args, warmed: bool = False):
     """fn(*args) with `ctx` as the opaque ops' context. Once start-up has compiled every variant
     (`warmed`; nothing compiles inside a request), dynamo checks only the guards that tell the
     variants apart: the full check is ~7% of a compiled AR step on the CPU (docs/performance.md)."""
     running.append(ctx)
     try:
-        if warmed and torch.is_inference_mode_enabled():  # as it was warmed: grad mode is one of the guards
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+        if warmed and _set_stance is not None and torch.is_inference_mode_enabled():  # grad mode is a guard too
+            with _set_stance(skip_guard_eval_unsafe=True):
                 return fn(*args)
         return fn(*args)
     finally:
