@@ -132,6 +132,16 @@ def test_warmed_stacks_check_only_the_guards_that_tell_variants_apart():
     assert not eval_frame._stance.skip_guard_eval_unsafe
 
 
+@pytest.mark.skipif(compiled_module._set_stance is None, reason="this torch cannot skip guard checks")
+def test_a_warmed_stack_meeting_a_shape_start_up_missed_compiles_it():
+    """Under the guard-skipping stance dynamo refuses to compile; a warmed call that meets a shape start-up
+    did not compile (none should exist) compiles it as an unwarmed one would, rather than failing the request."""
+    double = compiled_module.compiled(lambda x: x * 2 + 1)
+    with torch.inference_mode():
+        assert compiled_module.run_with(double, None, torch.ones(3), warmed=False).tolist() == [3.0] * 3
+        assert compiled_module.run_with(double, None, torch.ones(1, 2), warmed=True).tolist() == [[3.0, 3.0]]
+
+
 def test_a_failed_compile_is_one_clear_error(pairs, monkeypatch):
     """Where inductor cannot compile (no C++ compiler, say), compile=True stops with one line that
     names the cause and the way out."""
