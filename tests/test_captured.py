@@ -121,7 +121,7 @@ def test_warmed_stacks_check_only_the_guards_that_tell_variants_apart():
     compiled rounds this way and give AR's tokens.)"""
     from torch._dynamo import eval_frame
 
-    from flashtree.models.compiled import run_with
+    run_with = compiled_module.run_with
 
     def skipping(*_):
         return eval_frame._stance.skip_guard_eval_unsafe

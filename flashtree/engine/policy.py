@@ -251,6 +251,7 @@ class Policy:
         bins = LEVELS.searchsorted(levels, "right")
         chain = np.array([st.shape for st in stats])[idx][:, None] * (np.asarray(levels)[:, None] + P)
         if slots is not None:  # requests unlike their class's others, by their own runs (own) once the class is measured
+            self.bins[slots] = bins  # a plan's rows: the bins observe teaches
             own = (own * [stats[i].level_rows >= SETTLE_ROWS for i in idx])[:, None]
             chain = own * self.run[slots][:, None] + (1 - own) * chain
         per = np.array([(s.rows, s.round - s.seen, *s.kept) for s in stats])[idx, :, :, bins]
@@ -295,9 +296,7 @@ class Policy:
         self.tokens[slots] = [len(reqs[i].output_ids) for i in rows]
         classes = [self._class_of(s) for s in slots]
         own_level, own_run = self._own(slots)
-        levels = self._levels(slots, classes, own_level)
-        self.bins[slots] = LEVELS.searchsorted(levels, "right")
-        gains, known = self.expected(classes, levels, slots, own_run)  # [k, arms]
+        gains, known = self.expected(classes, self._levels(slots, classes, own_level), slots, own_run)  # [k, arms]
         room = [reqs[i].params.max_tokens - len(reqs[i].output_ids) - 1 for i in rows]  # drafted tokens it may keep
         room = np.maximum(np.array(room, dtype=float), 0.0)[:, None]
         gains = np.minimum(gains, room)
